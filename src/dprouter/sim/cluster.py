@@ -1,0 +1,60 @@
+"""A set of simulated engines started together, in-process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
+from types import TracebackType
+
+from dprouter.sim.config import EngineConfig
+from dprouter.sim.server import SimServer
+
+
+def fleet(count: int, config: EngineConfig) -> list[EngineConfig]:
+    """``count`` engines of one shape."""
+    return [replace(config) for _ in range(count)]
+
+
+class SimCluster:
+    """``async with SimCluster(configs) as cluster:`` starts every engine on loopback.
+
+    With ``base_port`` 0 each engine binds a free port (``cluster.urls`` has the
+    real ones); otherwise engine i listens on ``base_port + i``.
+    """
+
+    def __init__(self, configs: Sequence[EngineConfig], host: str = "127.0.0.1",
+                 base_port: int = 0, prefix: str = "engine") -> None:  # fmt: skip
+        self.servers = [
+            SimServer(c, f"{prefix}-{i}", host, base_port + i if base_port else 0)
+            for i, c in enumerate(configs)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def __getitem__(self, index: int) -> SimServer:
+        return self.servers[index]
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    async def start(self) -> None:
+        try:
+            for s in self.servers:
+                await s.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self.servers if s.started.is_set()))
+
+    async def __aenter__(self) -> SimCluster:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        await self.stop()

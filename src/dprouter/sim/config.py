@@ -1,0 +1,111 @@
+"""Configuration of a simulated engine: cost model, per-rank limits, persona, faults.
+
+Defaults are the order of magnitude of an 8B model in bf16 on one H100 per rank:
+weights (~16 GB) are read once per forward step at ~3 TB/s, prefill runs at
+~25k tokens/s, and each decoding sequence adds its KV reads to the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Persona = Literal["vllm", "sglang"]
+Dispatch = Literal["vllm", "round_robin", "shortest_queue", "follow_bootstrap_room"]
+SGLANG_DISPATCH: tuple[Dispatch, ...] = ("round_robin", "shortest_queue", "follow_bootstrap_room")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of (virtual) GPU time per forward step."""
+
+    step_base: float = 6.0e-3  # every step reads all weights once
+    decode_per_seq: float = 8.0e-5  # each decoding sequence reads its KV
+    prefill_per_token: float = 4.0e-5  # each uncached prompt token computed
+    max_batched_tokens: int = 8192  # chunked-prefill budget per step (decodes count 1 each)
+
+    def __post_init__(self) -> None:
+        if min(self.step_base, self.decode_per_seq, self.prefill_per_token) < 0:
+            raise ValueError("cost constants must be >= 0")
+        if self.max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class RankLimits:
+    """Capacity of one DP rank."""
+
+    max_running: int = 256  # running batch cap (vLLM max_num_seqs)
+    kv_tokens: int = 400_000  # KV budget: ~60 GB free / 128 KiB per token of an 8B model
+    block_size: int = 16  # prefix cache granularity in tokens
+    prefix_cache_blocks: int | None = None  # LRU capacity; None = kv_tokens // block_size
+    max_model_len: int = 32_768  # prompt + max_tokens must fit
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.block_size < 1 or self.max_model_len < 2:
+            raise ValueError("max_running, block_size must be >= 1 and max_model_len >= 2")
+        if self.kv_tokens < self.max_model_len:
+            raise ValueError(
+                f"kv_tokens ({self.kv_tokens}) must hold one full request "
+                f"(max_model_len {self.max_model_len})"
+            )
+
+    @property
+    def cache_blocks(self) -> int:
+        if self.prefix_cache_blocks is not None:
+            return self.prefix_cache_blocks
+        return self.kv_tokens // self.block_size
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fault knobs for tests of the router's failure handling."""
+
+    fail_rate: float = 0.0  # probability that a generation request gets HTTP 500
+    fail_first: int = 0  # the first N generation requests get HTTP 500
+    hang: bool = False  # accept generation requests and never answer
+    crash_after: int | None = None  # the server dies when request N+1 arrives
+    slow_ranks: dict[int, float] = field(default_factory=dict)  # rank -> step cost factor
+    health_fail_after: float | None = None  # /health answers 503 after T wall seconds
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fail_rate <= 1.0:
+            raise ValueError("fail_rate must be within [0, 1]")
+        if any(f <= 0 for f in self.slow_ranks.values()):
+            raise ValueError("slow rank factors must be > 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    persona: Persona = "vllm"
+    dp_size: int = 1
+    tp_size: int = 1
+    dp_attention: bool = False
+    dispatch: Dispatch | None = None  # None: the persona's default
+    stats_interval: float = 0.1  # vLLM: coordinator publishes rank counts this often
+    reserve_locally: bool = False  # vLLM >= 0.10 adds +1 waiting per dispatch between snapshots
+    model: str = "sim-model"
+    time_scale: float = 1.0  # wall seconds per virtual second (0.1 runs 10x faster)
+    cost: CostModel = field(default_factory=CostModel)
+    limits: RankLimits = field(default_factory=RankLimits)
+    faults: Faults = field(default_factory=Faults)
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1 or self.tp_size < 1:
+            raise ValueError("dp_size and tp_size must be >= 1")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        if self.persona == "vllm" and self.dispatch not in (None, "vllm"):
+            raise ValueError(f"the vllm persona dispatches by load score, not {self.dispatch!r}")
+        if self.persona == "sglang" and self.dispatch not in (None, *SGLANG_DISPATCH):
+            raise ValueError(f"sglang dispatch must be one of {', '.join(SGLANG_DISPATCH)}")
+        bad = [r for r in self.faults.slow_ranks if not 0 <= r < self.dp_size]
+        if bad:
+            raise ValueError(f"slow ranks {bad} out of range [0, {self.dp_size})")
+
+    @property
+    def dispatch_mode(self) -> Dispatch:
+        if self.dispatch is not None:
+            return self.dispatch
+        return "vllm" if self.persona == "vllm" else "round_robin"

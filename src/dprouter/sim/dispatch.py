@@ -1,0 +1,111 @@
+"""How an engine places a request that pins no rank (its internal balancer)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from dprouter.sim.config import EngineConfig
+from dprouter.sim.rank import Rank
+from dprouter.sim.request import SimRequest
+
+
+class DispatchError(ValueError):
+    """The engine cannot place this request (its message goes to the client)."""
+
+
+class Dispatcher(Protocol):
+    def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int: ...
+
+    def observe(self, ranks: Sequence[Rank], now: float) -> None:
+        """Called after every step: a chance to publish fresh load counts."""
+
+
+class VllmScore:
+    """vLLM's DP load balancer: lowest ``waiting*4 + running``, first minimum wins.
+
+    The counts come from a snapshot published at most every ``interval``
+    seconds, so a burst inside one interval sees the same stale counts. With
+    ``reserve_locally`` each pick adds one waiting request to the snapshot until
+    the next one replaces it (what vLLM >= 0.10 does between coordinator updates).
+    """
+
+    def __init__(self, interval: float, reserve_locally: bool) -> None:
+        self.interval = interval
+        self.reserve_locally = reserve_locally
+        self.snapshot: list[list[int]] = []
+        self.published = float("-inf")
+
+    def observe(self, ranks: Sequence[Rank], now: float) -> None:
+        if now - self.published >= self.interval:
+            self.snapshot = [[r.num_waiting, r.num_running] for r in ranks]
+            self.published = now
+
+    def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
+        self.observe(ranks, now)
+        best, best_score = 0, None
+        for i, (waiting, running) in enumerate(self.snapshot):
+            score = waiting * 4 + running
+            if best_score is None or score < best_score:
+                best, best_score = i, score
+        if self.reserve_locally:
+            self.snapshot[best][0] += 1
+        return best
+
+
+class RoundRobin:
+    """SGLang ``round_robin``: a counter over ranks, blind to load."""
+
+    def __init__(self) -> None:
+        self.counter = 0
+
+    def observe(self, ranks: Sequence[Rank], now: float) -> None:
+        pass
+
+    def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
+        rank = self.counter % len(ranks)
+        self.counter += 1
+        return rank
+
+
+class ShortestQueue:
+    """SGLang ``shortest_queue``: fewest running + waiting; ties rotate."""
+
+    def __init__(self) -> None:
+        self.start = 0
+
+    def observe(self, ranks: Sequence[Rank], now: float) -> None:
+        pass
+
+    def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
+        n = len(ranks)
+        order = [(self.start + i) % n for i in range(n)]
+        best = min(order, key=lambda i: ranks[i].num_running + ranks[i].num_waiting)
+        self.start = (best + 1) % n
+        return best
+
+
+class FollowBootstrapRoom:
+    """SGLang ``follow_bootstrap_room`` (P/D default): rank = room % dp_size."""
+
+    def observe(self, ranks: Sequence[Rank], now: float) -> None:
+        pass
+
+    def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
+        if req.bootstrap_room is None:
+            raise DispatchError(
+                "req.bootstrap_room should not be None. Do not send requests directly to "
+                "prefill or decode instances; send to the router instead."
+            )
+        return req.bootstrap_room % len(ranks)
+
+
+def make_dispatcher(config: EngineConfig) -> Dispatcher:
+    mode = config.dispatch_mode
+    if mode == "vllm":
+        return VllmScore(config.stats_interval, config.reserve_locally)
+    if mode == "round_robin":
+        return RoundRobin()
+    if mode == "shortest_queue":
+        return ShortestQueue()
+    return FollowBootstrapRoom()

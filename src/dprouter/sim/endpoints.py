@@ -1,0 +1,160 @@
+"""Routes of a simulated engine other than generation itself."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dprouter.sim.generation import handle
+from dprouter.sim.rank import Rank
+
+if TYPE_CHECKING:
+    from dprouter.sim.server import SimServer
+
+VERSION = "0.1.0-sim"
+Handler = Any
+
+
+@web.middleware
+async def not_found(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unknown paths and methods answer as FastAPI does in both real engines."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+def common_routes(server: SimServer) -> list[web.RouteDef]:
+    async def health(_: web.Request) -> web.Response:
+        after = server.config.faults.health_fail_after
+        if after is not None and server.now_wall() >= after:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def models(_: web.Request) -> web.Response:
+        card = {"id": server.config.model, "object": "model", "created": int(time.time()),
+                "owned_by": server.persona.name, "root": server.config.model, "parent": None,
+                "max_model_len": server.config.limits.max_model_len}  # fmt: skip
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await handle(server, request, "completion")
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await handle(server, request, "chat")
+
+    return [
+        web.get("/health", health),
+        web.get("/v1/models", models),
+        web.post("/v1/completions", completions),
+        web.post("/v1/chat/completions", chat),
+    ]
+
+
+def vllm_routes(server: SimServer) -> list[web.RouteDef]:
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(server.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def ping(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(_: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+    return [web.get("/metrics", metrics), web.get("/ping", ping), web.get("/version", version)]
+
+
+def _pending_tokens(rank: Rank) -> int:
+    return sum(r.prompt_len for r in rank.waiting)
+
+
+def _load(rank: Rank) -> dict[str, Any]:
+    stats = rank.stats
+    queries = stats.prefix_queries
+    return {
+        "dp_rank": rank.index,
+        "num_running_reqs": rank.num_running,
+        "num_waiting_reqs": rank.num_waiting,
+        "num_used_tokens": rank.kv_used,
+        "num_total_tokens": rank.kv_used + _pending_tokens(rank),
+        "max_total_num_tokens": rank.limits.kv_tokens,
+        "token_usage": rank.kv_usage,
+        "cache_hit_rate": stats.prefix_hits / queries if queries else 0.0,
+        "max_running_requests": rank.limits.max_running,
+        "num_total_reqs": rank.num_running + rank.num_waiting,
+    }
+
+
+def sglang_routes(server: SimServer) -> list[web.RouteDef]:
+    def info() -> dict[str, Any]:
+        c = server.config
+        # model_path and tokenizer_path are left out on purpose: peers that see them
+        # try to download a tokenizer from a model hub
+        args: dict[str, Any] = {
+            "served_model_name": c.model, "tp_size": c.tp_size, "dp_size": c.dp_size,
+            "enable_dp_attention": c.dp_attention, "load_balance_method": c.dispatch_mode,
+            "disaggregation_mode": "null", "page_size": c.limits.block_size,
+            "max_running_requests": c.limits.max_running,
+            "chunked_prefill_size": c.cost.max_batched_tokens,
+        }  # fmt: skip
+        states = [
+            {**args, "dp_rank": r.index, "last_gen_throughput": 0.0,
+             "memory_usage": {"token_capacity": r.limits.kv_tokens},
+             "effective_max_running_requests_per_dp": r.limits.max_running}
+            for r in server.engine.ranks
+        ]  # fmt: skip
+        return {**args, "status": "ready", "max_total_num_tokens": c.limits.kv_tokens,
+                "max_req_input_len": c.limits.max_model_len - 1, "internal_states": states,
+                "version": VERSION}  # fmt: skip
+
+    async def server_info(_: web.Request) -> web.Response:
+        return web.json_response(info())
+
+    async def loads(request: web.Request) -> web.Response:
+        ranks = server.engine.ranks
+        wanted = request.query.get("dp_rank")
+        if wanted is not None:
+            if not wanted.lstrip("-").isdigit():
+                return web.json_response({"error": "dp_rank must be an integer"}, status=400)
+            ranks = [r for r in ranks if r.index == int(wanted)]
+        per_rank = [_load(r) for r in ranks]
+        aggregate = {
+            "total_running_reqs": sum(x["num_running_reqs"] for x in per_rank),
+            "total_waiting_reqs": sum(x["num_waiting_reqs"] for x in per_rank),
+            "total_used_tokens": sum(x["num_used_tokens"] for x in per_rank),
+        }
+        return web.json_response({
+            "timestamp": datetime.now(UTC).isoformat(), "version": VERSION,
+            "dp_rank_count": server.config.dp_size, "loads": per_rank, "aggregate": aggregate,
+        })  # fmt: skip
+
+    async def get_load(_: web.Request) -> web.Response:
+        out = [
+            {"dp_rank": r.index, "num_reqs": r.num_running + r.num_waiting,
+             "num_waiting_reqs": r.num_waiting, "num_tokens": r.kv_used + _pending_tokens(r),
+             "num_pending_tokens": _pending_tokens(r), "ts_tic": time.perf_counter()}
+            for r in server.engine.ranks
+        ]  # fmt: skip
+        return web.json_response(out)
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        return await handle(server, request, "generate")
+
+    async def health_generate(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    return [
+        web.get("/server_info", server_info),
+        web.get("/get_server_info", server_info),
+        web.get("/v1/loads", loads),
+        web.get("/get_load", get_load),
+        web.post("/generate", generate),
+        web.get("/health_generate", health_generate),
+    ]

@@ -1,0 +1,167 @@
+"""The generation endpoints of a simulated engine: parse, place, stream or answer."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from dprouter.sim.dispatch import DispatchError
+from dprouter.sim.persona import RankError
+from dprouter.sim.protocol import Kind, Parsed, parse
+from dprouter.sim.request import SimRequest
+from dprouter.sim.responses import DONE, Render, generate_meta, sse, usage
+from dprouter.sim.tokens import output_token, prompt_digest, tokenize
+
+if TYPE_CHECKING:
+    from dprouter.sim.server import SimServer
+
+RID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-", "generate": ""}
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+class Generation:
+    """One request's journey through the engine."""
+
+    def __init__(self, server: SimServer, request: web.Request, kind: Kind) -> None:
+        self.server = server
+        self.request = request
+        self.kind = kind
+        self.headers = {"x-sim-engine": server.engine_id}
+
+    def fail(self, status: int, message: str, etype: str = "BadRequestError",
+             param: str | None = None) -> web.Response:  # fmt: skip
+        body = self.server.persona.error_body(status, message, etype, param, self.kind)
+        return web.json_response(body, status=status, headers=self.headers, dumps=_dumps)
+
+    async def stream_fail(self, message: str) -> web.StreamResponse:
+        """Engines that already chose to stream report errors inside a 200 SSE body."""
+        resp = web.StreamResponse(headers={**self.headers, "Content-Type": "text/event-stream"})
+        await resp.prepare(self.request)
+        error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+        await resp.write(sse({"error": error}) + DONE)
+        await resp.write_eof()
+        return resp
+
+    async def run(self) -> web.StreamResponse:
+        server = self.server
+        server.generation_requests += 1
+        faults = server.config.faults
+        if faults.crash_after is not None and server.generation_requests > faults.crash_after:
+            asyncio.get_running_loop().create_task(server.crash())
+            await asyncio.Event().wait()  # cancelled when crash() resets this connection
+        try:
+            raw = await self.request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self.fail(413, f"Request body exceeds {server.max_body} bytes")
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return self.fail(400, f"Invalid JSON body: {exc}")
+        try:
+            parsed = parse(self.kind, body)
+        except ValueError as exc:
+            return self.fail(400, str(exc))
+        message = server.persona.model_error(parsed.model, server.config.model)
+        if message is not None:
+            return self.fail(404, message, "NotFoundError", "model")
+        try:
+            rank = server.persona.pinned_rank(self.request.headers, body, server.config.dp_size)
+        except RankError as exc:
+            server.record(self.request, body, None)
+            return await self.stream_fail(str(exc)) if parsed.stream else self.fail(400, str(exc))
+        limit = server.config.limits.max_model_len
+        if parsed.prompt_len_total > limit:
+            return self.fail(400, (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{parsed.prompt_len_total} tokens ({len(parsed.prompt_ids)} in the messages, "
+                f"{parsed.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion."
+            ))  # fmt: skip
+        if server.generation_requests <= faults.fail_first or server.rng.random() < faults.fail_rate:
+            return self.fail(500, "simulated engine failure", "InternalServerError")
+        if faults.hang:
+            await asyncio.Event().wait()  # until the client gives up
+        room = body.get("bootstrap_room")
+        rid = parsed.rid or RID_PREFIX[self.kind] + uuid.uuid4().hex
+        req = SimRequest(rid, parsed.prompt_ids, parsed.max_tokens, server.runner.now(), rank,
+                         room if isinstance(room, int) else None)  # fmt: skip
+        try:
+            queue = server.runner.submit(req)
+        except DispatchError as exc:
+            server.record(self.request, body, None)
+            return await self.stream_fail(str(exc)) if parsed.stream else self.fail(400, str(exc))
+        server.record(self.request, body, req.rank)
+        self.headers["x-sim-dp-rank"] = str(req.rank)
+        try:
+            if parsed.stream:
+                return await self.stream(req, parsed, queue)
+            return await self.whole(req, parsed, queue)
+        finally:
+            if not req.done:
+                server.runner.abort(req)  # client gone or server stopping: free the rank
+
+    async def whole(self, req: SimRequest, parsed: Parsed,
+                    queue: asyncio.Queue[tuple[int, bool]]) -> web.StreamResponse:  # fmt: skip
+        done = False
+        while not done:
+            generated, done = await queue.get()
+            if generated < 0:
+                return self.fail(503, "engine shut down", "ServiceUnavailableError")
+        digest = prompt_digest(req.prompt_ids)
+        text = "".join(output_token(digest, i) for i in range(req.generated))
+        if self.kind == "generate":
+            meta = generate_meta(req.rid, req.prompt_len, req.generated, req.cached_tokens, True,
+                                 self.server.runner.now() - req.arrival)  # fmt: skip
+            body: dict[str, Any] = {"text": text, "output_ids": tokenize(text), "meta_info": meta}
+        else:
+            use = usage(req.prompt_len, req.generated, req.cached_tokens)
+            body = Render(self.kind, req.rid, self.server.config.model, False).full(text, use)
+        return web.json_response(body, headers=self.headers, dumps=_dumps)
+
+    async def stream(self, req: SimRequest, parsed: Parsed,
+                     queue: asyncio.Queue[tuple[int, bool]]) -> web.StreamResponse:  # fmt: skip
+        headers = {**self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        resp = web.StreamResponse(headers=headers)
+        await resp.prepare(self.request)
+        render = Render(self.kind, req.rid, self.server.config.model, parsed.include_usage)
+        digest = prompt_digest(req.prompt_ids)
+        text = ""
+        sent = 0
+        try:
+            await resp.write(render.opening())
+            done = False
+            while not done:
+                generated, done = await queue.get()
+                if generated < 0:
+                    error = {"message": "engine shut down", "type": "ServiceUnavailableError",
+                             "param": None, "code": 503}  # fmt: skip
+                    await resp.write(sse({"error": error}) + DONE)
+                    return resp
+                piece = "".join(output_token(digest, i) for i in range(sent, generated))
+                sent = generated
+                if self.kind == "generate":
+                    text += piece
+                    meta = generate_meta(req.rid, req.prompt_len, sent, req.cached_tokens, done,
+                                         self.server.runner.now() - req.arrival)  # fmt: skip
+                    await resp.write(sse({"text": text, "meta_info": meta}))
+                else:
+                    await resp.write(render.piece(piece, done))
+            if self.kind == "generate":
+                await resp.write(DONE)
+            else:
+                await resp.write(render.closing(usage(req.prompt_len, sent, req.cached_tokens)))
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client left; the caller aborts the request
+        return resp
+
+
+async def handle(server: SimServer, request: web.Request, kind: Kind) -> web.StreamResponse:
+    return await Generation(server, request, kind).run()

@@ -1,0 +1,101 @@
+"""The two engine personas: how each words errors and reads a pinned rank."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from dprouter.sim.protocol import Kind
+
+
+class RankError(ValueError):
+    """The client pinned a rank the engine rejects; the message is the engine's own."""
+
+
+class Persona(Protocol):
+    name: str
+
+    def error_body(self, status: int, message: str, etype: str, param: str | None,
+                   kind: Kind) -> dict[str, Any]: ...  # fmt: skip
+
+    def pinned_rank(self, headers: Mapping[str, str], body: Mapping[str, Any],
+                    dp_size: int) -> int | None: ...  # fmt: skip
+
+    def model_error(self, model: str | None, served: str) -> str | None: ...
+
+
+class VllmPersona:
+    """vLLM's OpenAI server: rank in header ``X-data-parallel-rank``, no body field."""
+
+    name = "vllm"
+
+    def error_body(self, status: int, message: str, etype: str, param: str | None,
+                   kind: Kind) -> dict[str, Any]:  # fmt: skip
+        return {"error": {"message": message, "type": etype, "param": param, "code": status}}
+
+    def pinned_rank(self, headers: Mapping[str, str], body: Mapping[str, Any],
+                    dp_size: int) -> int | None:  # fmt: skip
+        raw = headers.get("X-data-parallel-rank")
+        if raw is None:
+            return None
+        try:
+            rank = int(raw)
+        except ValueError:
+            return None  # vLLM silently ignores a non-integer header
+        if not 0 <= rank < dp_size:
+            raise RankError(f"data_parallel_rank {rank} is out of range [0, {dp_size}).")
+        return rank
+
+    def model_error(self, model: str | None, served: str) -> str | None:
+        if model is None or model == served:
+            return None
+        return f"The model `{model}` does not exist."
+
+
+class SglangPersona:
+    """SGLang: body ``routed_dp_rank`` (older ``data_parallel_rank``); header overrides."""
+
+    name = "sglang"
+
+    def error_body(self, status: int, message: str, etype: str, param: str | None,
+                   kind: Kind) -> dict[str, Any]:  # fmt: skip
+        if kind == "generate":
+            return {"error": {"message": message}}
+        return {"object": "error", "message": message, "type": etype, "param": param,
+                "code": status}  # fmt: skip
+
+    def pinned_rank(self, headers: Mapping[str, str], body: Mapping[str, Any],
+                    dp_size: int) -> int | None:  # fmt: skip
+        raw = headers.get("X-Data-Parallel-Rank")
+        rank: Any
+        if raw is not None:
+            try:
+                rank = int(raw)
+            except ValueError:
+                raise RankError(
+                    f"Invalid X-Data-Parallel-Rank header: must be an integer, got {raw!r}"
+                ) from None
+        else:
+            rank = body.get("routed_dp_rank")
+            if rank is None:
+                rank = body.get("data_parallel_rank")
+            if rank is None:
+                return None
+            if isinstance(rank, bool) or not isinstance(rank, int):
+                raise RankError(f"routed_dp_rank must be an integer, got {rank!r}")
+        if dp_size <= 1 and rank == 0:
+            return None  # SGLang ignores rank 0 on a single-rank engine
+        if not 0 <= rank < dp_size:
+            raise RankError(f"routed_dp_rank={rank} out of range [0, {dp_size})")
+        return int(rank)
+
+    def model_error(self, model: str | None, served: str) -> str | None:
+        return None  # SGLang serves whatever model name the client writes
+
+
+def persona_for(name: str) -> Persona:
+    if name == "vllm":
+        return VllmPersona()
+    if name == "sglang":
+        return SglangPersona()
+    raise ValueError(f"unknown persona {name!r}")

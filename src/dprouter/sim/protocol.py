@@ -1,0 +1,141 @@
+"""Request bodies the simulated engines accept, validated like the real servers (pydantic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dprouter.sim.tokens import render_chat, tokenize
+
+DEFAULT_MAX_TOKENS = 16
+Kind = Literal["completion", "chat", "generate"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class CompletionBody(_Body):
+    model: str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("the simulated engine serves one prompt per request")
+            return v[0]
+        return v
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text or "" for p in self.content)
+        return self.content or ""
+
+
+class ChatBody(_Body):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+
+class SamplingParams(_Body):
+    max_new_tokens: int | None = Field(default=None, ge=1)
+
+
+class GenerateBody(_Body):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    rid: str | None = None
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What the engine needs from any generation body."""
+
+    kind: Kind
+    model: str | None
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    rid: str | None = None
+
+    @property
+    def prompt_len_total(self) -> int:
+        """Tokens the request needs at its longest: prompt plus every output token."""
+        return len(self.prompt_ids) + self.max_tokens
+
+
+def parse(kind: Kind, body: object) -> Parsed:
+    """Validate a JSON body; raises ``ValueError`` with a message naming the field."""
+    return _check(_parse(kind, body))
+
+
+def _parse(kind: Kind, body: object) -> Parsed:
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    try:
+        if kind == "completion":
+            c = CompletionBody.model_validate(body)
+            ids = tokenize(c.prompt) if isinstance(c.prompt, str) else list(c.prompt)  # type: ignore[arg-type]
+            opts = c.stream_options
+            return Parsed(kind=kind, model=c.model, prompt_ids=ids,
+                          max_tokens=c.max_tokens or DEFAULT_MAX_TOKENS, stream=c.stream,
+                          include_usage=bool(opts and opts.include_usage))
+        if kind == "chat":
+            ch = ChatBody.model_validate(body)
+            text = render_chat([(m.role, m.text()) for m in ch.messages])
+            opts = ch.stream_options
+            limit = ch.max_completion_tokens or ch.max_tokens or DEFAULT_MAX_TOKENS
+            return Parsed(kind=kind, model=ch.model, prompt_ids=tokenize(text), max_tokens=limit,
+                          stream=ch.stream, include_usage=bool(opts and opts.include_usage))
+        g = GenerateBody.model_validate(body)
+        if (g.text is None) == (g.input_ids is None):
+            raise ValueError("exactly one of text or input_ids must be given")
+        ids = tokenize(g.text) if g.text is not None else list(g.input_ids or [])
+        return Parsed(kind=kind, model=None, prompt_ids=ids, stream=g.stream, include_usage=False,
+                      max_tokens=g.sampling_params.max_new_tokens or DEFAULT_MAX_TOKENS, rid=g.rid)
+    except ValidationError as exc:
+        raise ValueError(describe(exc)) from None
+
+
+def _check(parsed: Parsed) -> Parsed:
+    if not parsed.prompt_ids:
+        raise ValueError("prompt: the prompt cannot be empty")
+    return parsed
+
+
+def describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)

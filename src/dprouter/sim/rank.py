@@ -1,0 +1,189 @@
+"""One DP rank: waiting queue, running batch, KV budget, prefix cache.
+
+A step is planned (admission, chunked prefill, decode batch, cost) when it
+starts and committed when it ends; requests that arrive or are aborted while a
+step runs take effect at the next step, as in a real engine's busy loop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dprouter.sim.config import CostModel, RankLimits
+from dprouter.sim.decode import DecodeBatch
+from dprouter.sim.prefix import PrefixCache, block_hashes
+from dprouter.sim.request import Phase, SimRequest
+from dprouter.sim.stats import RankStats
+
+
+@dataclass
+class RankPlan:
+    cost: float  # seconds per step
+    decode: list[SimRequest]  # decoding requests, listed only when tokens are tracked
+    n_decode: int
+    chunks: list[tuple[SimRequest, int]]
+    steps: int  # > 1 only for decode-only work: steps until the first request finishes
+    waiting: int  # queue length once admission is done
+
+
+@dataclass
+class StepEvents:
+    first: list[SimRequest] = field(default_factory=list)  # first token this step
+    tokens: list[SimRequest] = field(default_factory=list)  # any token this step
+    finished: list[SimRequest] = field(default_factory=list)
+
+
+class Rank:
+    """``track_tokens`` lists every decoding request in each step's events (the HTTP
+    simulator streams them); the offline simulator only needs first and last tokens."""
+
+    def __init__(self, index: int, limits: RankLimits, cost: CostModel, slow: float = 1.0,
+                 track_tokens: bool = True) -> None:  # fmt: skip
+        self.index = index
+        self.limits = limits
+        self.cost = cost
+        self.slow = slow
+        self.track_tokens = track_tokens
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling: list[SimRequest] = []
+        self.decoding = DecodeBatch()
+        self.kv_reserved = 0  # sum of footprints of running requests: admission bound
+        self.kv_used = 0  # tokens actually held: prompt + generated of running requests
+        self.cache = PrefixCache(limits.cache_blocks)
+        self.stats = RankStats()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used / self.limits.kv_tokens
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def enqueue(self, req: SimRequest) -> None:
+        if req.footprint > self.limits.max_model_len:
+            raise ValueError(f"request {req.rid} needs {req.footprint} tokens, over max_model_len")
+        req.rank = self.index
+        self.waiting.append(req)
+
+    def plan(self, now: float, max_steps: int = 1) -> RankPlan | None:
+        """Plan the next step; with ``max_steps`` > 1 a decode-only batch may run
+        several identical steps at once (the offline simulator's fast path)."""
+        self._admit(now)
+        n_decode = len(self.decoding)
+        budget = self.cost.max_batched_tokens - n_decode
+        chunks: list[tuple[SimRequest, int]] = []
+        prefill_tokens = 0
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(req.prompt_len - req.computed, budget)
+            chunks.append((req, n))
+            budget -= n
+            prefill_tokens += n
+        if not n_decode and not chunks:
+            return None
+        c = self.cost
+        cost = c.step_base + c.decode_per_seq * n_decode + c.prefill_per_token * prefill_tokens
+        steps = 1
+        if max_steps > 1 and not chunks:
+            steps = min(max_steps, self.decoding.steps_to_next_finish())
+        decode = list(self.decoding.members.values()) if self.track_tokens else []
+        return RankPlan(cost * self.slow, decode, n_decode, chunks, steps, len(self.waiting))
+
+    def _admit(self, now: float) -> None:
+        limits = self.limits
+        while self.waiting and self.num_running < limits.max_running:
+            req = self.waiting[0]
+            if self.kv_reserved + req.footprint > limits.kv_tokens:
+                break  # FCFS: the head blocks the queue until KV frees up
+            self.waiting.popleft()
+            if req.block_hashes is None:
+                req.block_hashes = block_hashes(req.prompt_ids, limits.block_size)
+            # the last prompt token is always computed, so at most (len-1) tokens hit
+            limit = (req.prompt_len - 1) // limits.block_size
+            req.cached_tokens = self.cache.match(req.block_hashes, limit) * limits.block_size
+            req.computed = req.cached_tokens
+            req.phase = Phase.PREFILL
+            req.admitted_at = now
+            self.stats.prefix_queries += req.prompt_len
+            self.stats.prefix_hits += req.cached_tokens
+            self.kv_reserved += req.footprint
+            self.kv_used += req.prompt_len
+            self.prefilling.append(req)
+
+    def commit(self, plan: RankPlan, now: float, events: StepEvents) -> None:
+        stats = self.stats
+        steps = plan.steps
+        stats.busy_time += plan.cost * steps
+        stats.steps += steps
+        decoding = self.decoding
+        if decoding:
+            # requests aborted during the step have already left the batch
+            self.kv_used += steps * len(decoding)
+            stats.generation_tokens += steps * len(decoding)
+            finished = decoding.advance(steps)
+            for req in plan.decode:
+                if req.phase is Phase.DECODE:
+                    req.generated = decoding.generated(req)
+                    events.tokens.append(req)
+            for req in finished:
+                self._finish(req, now, events)
+        for req, n in plan.chunks:
+            if req.phase is not Phase.PREFILL:
+                continue
+            req.computed += n
+            if req.computed < req.prompt_len:
+                continue
+            self.prefilling.remove(req)
+            self.cache.insert(req.block_hashes or ())
+            stats.prompt_tokens += req.prompt_len
+            req.phase = Phase.DECODE
+            decoding.add(req)
+            self.kv_used += 1
+            stats.generation_tokens += 1
+            req.first_token_at = now
+            stats.ttft.observe(now - req.arrival)
+            events.first.append(req)
+            events.tokens.append(req)
+            if req.max_tokens <= 1:
+                decoding.remove(req)
+                self._finish(req, now, events)
+
+    def _release(self, req: SimRequest) -> None:
+        self.kv_used -= req.prompt_len + req.generated
+        self.kv_reserved -= req.footprint
+
+    def _finish(self, req: SimRequest, now: float, events: StepEvents) -> None:
+        self._release(req)
+        req.phase = Phase.FINISHED
+        req.finished_at = now
+        self.stats.success += 1
+        events.finished.append(req)
+
+    def abort(self, req: SimRequest, now: float) -> None:
+        """Drop a request wherever it is; its KV is freed at once."""
+        if req.phase is Phase.WAITING:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                return
+        elif req.phase is Phase.PREFILL:
+            self.prefilling.remove(req)
+            self._release(req)
+        elif req.phase is Phase.DECODE:
+            self.decoding.remove(req)
+            self._release(req)
+        else:
+            return
+        req.phase = Phase.ABORTED
+        req.finished_at = now
+        self.stats.aborted += 1

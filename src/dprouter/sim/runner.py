@@ -1,0 +1,84 @@
+"""Drives an engine model in wall-clock time for the HTTP simulator.
+
+One task per stepper: plan a step, sleep its duration (times ``time_scale``),
+commit it, hand each request its new tokens. Virtual time advances by the
+planned durations, so the model's timings stay exact even when the event loop
+runs late; a late loop only shows up as idle time between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from dprouter.sim.engine import Engine, Stepper
+from dprouter.sim.request import SimRequest
+
+# what a request's queue carries: tokens generated so far, and whether it is done
+Progress = tuple[int, bool]
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.scale = engine.config.time_scale
+        self._loop = asyncio.get_running_loop()
+        self._t0 = self._loop.time()
+        self._wake = {s: asyncio.Event() for s in engine.steppers}
+        self._queues: dict[str, asyncio.Queue[Progress]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._virtual_floor = 0.0  # virtual time never runs backwards past a committed step
+
+    def now(self) -> float:
+        return max((self._loop.time() - self._t0) / self.scale, self._virtual_floor)
+
+    def start(self) -> None:
+        for s in self.engine.steppers:
+            self._tasks.append(asyncio.create_task(self._drive(s), name=f"step-{s.index}"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for q in self._queues.values():
+            q.put_nowait((-1, True))  # wakes any handler still waiting
+        self._queues.clear()
+
+    def submit(self, req: SimRequest) -> asyncio.Queue[Progress]:
+        """Queue a request; raises ``DispatchError`` when the engine cannot place it."""
+        stepper = self.engine.add(req, self.now())
+        queue: asyncio.Queue[Progress] = asyncio.Queue()
+        self._queues[req.rid] = queue
+        self._wake[stepper].set()
+        return queue
+
+    def abort(self, req: SimRequest) -> None:
+        self._queues.pop(req.rid, None)
+        self.engine.abort(req, self.now())
+        if req.rank is not None:
+            self._wake[self.engine.stepper_of(req.rank)].set()  # freed KV may admit others
+
+    async def _drive(self, stepper: Stepper) -> None:
+        wake = self._wake[stepper]
+        while True:
+            if not stepper.has_work():
+                wake.clear()
+                await wake.wait()
+                continue
+            start = self.now()
+            plan = stepper.begin(start)
+            if plan is None:  # nothing admissible yet: wait for the next arrival or abort
+                wake.clear()
+                await wake.wait()
+                continue
+            end = start + plan.duration
+            delay = end * self.scale - (self._loop.time() - self._t0)
+            await asyncio.sleep(max(delay, 0.0))
+            self._virtual_floor = max(self._virtual_floor, end)
+            events = self.engine.end(plan, end)
+            for req in events.tokens:
+                queue = self._queues.get(req.rid)
+                if queue is not None:
+                    queue.put_nowait((req.generated, req.done))
+            for req in events.finished:
+                self._queues.pop(req.rid, None)

@@ -1,0 +1,128 @@
+"""One simulated engine behind an HTTP endpoint (aiohttp), in either persona."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from dprouter.sim import endpoints
+from dprouter.sim.config import EngineConfig
+from dprouter.sim.engine import Engine
+from dprouter.sim.metrics import vllm_registry
+from dprouter.sim.persona import persona_for
+from dprouter.sim.runner import EngineRunner
+
+
+@dataclass(frozen=True)
+class Received:
+    """What a generation request looked like when it reached the engine."""
+
+    path: str
+    headers: dict[str, str]
+    body: Any
+    rank: int | None  # the rank that served it (None: rejected before placement)
+
+
+def bind(host: str, port: int, backlog: int = 4096) -> socket.socket:
+    """Bind a listening socket; port 0 picks a free port (read it back from the socket)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
+class SimServer:
+    """A simulated engine: the model, its real-time runner and its HTTP face.
+
+    ``crash()`` drops every connection and stops listening, as a killed process
+    would; ``start()`` again brings a fresh engine up on the same port.
+    """
+
+    def __init__(self, config: EngineConfig, engine_id: str = "engine-0",
+                 host: str = "127.0.0.1", port: int = 0, max_body: int = 64 << 20) -> None:  # fmt: skip
+        self.config = config
+        self.engine_id = engine_id
+        self.host = host
+        self.port = port
+        self.max_body = max_body
+        self.persona = persona_for(config.persona)
+        self.received: deque[Received] = deque(maxlen=10_000)
+        self.started = asyncio.Event()
+        self.generation_requests = 0
+        self.rng = random.Random(config.faults.seed)
+        self._runner: web.AppRunner | None = None
+        self._site: web.SockSite | None = None
+        self.engine: Engine
+        self.runner: EngineRunner
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def crashed(self) -> bool:
+        return self._site is None and self.port != 0
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body, middlewares=[endpoints.not_found])
+        app.add_routes(endpoints.common_routes(self))
+        if self.persona.name == "vllm":
+            self.registry = vllm_registry(self.engine)
+            app.add_routes(endpoints.vllm_routes(self))
+        else:
+            app.add_routes(endpoints.sglang_routes(self))
+        return app
+
+    async def start(self) -> None:
+        self.engine = Engine(self.config, self.engine_id)
+        self.runner = EngineRunner(self.engine)
+        self.runner.start()
+        self.generation_requests = 0
+        self.started_at = asyncio.get_running_loop().time()
+        self._runner = web.AppRunner(self._make_app(), handler_cancellation=True,
+                                     access_log=None, shutdown_timeout=1.0)  # fmt: skip
+        await self._runner.setup()
+        sock = bind(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        self._site = web.SockSite(self._runner, sock)
+        await self._site.start()
+        self.started.set()
+
+    async def stop(self) -> None:
+        await self.runner.stop()  # in-flight requests end with an error, not a hang
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._runner = self._site = None
+        self.started.clear()
+
+    async def crash(self) -> None:
+        """Die like a killed process: reset every connection, stop listening, lose all state."""
+        if self._runner is None:
+            return
+        server = self._runner.server
+        if self._site is not None:
+            await self._site.stop()
+        if server is not None:
+            for handler in server.connections:
+                if handler.transport is not None:
+                    handler.transport.abort()
+        await self.runner.stop()
+        await self._runner.cleanup()
+        self._runner = self._site = None
+        self.started.clear()
+
+    def record(self, request: web.Request, body: Any, rank: int | None) -> None:
+        self.received.append(Received(request.path, dict(request.headers), body, rank))
+
+    def now_wall(self) -> float:
+        return asyncio.get_running_loop().time() - self.started_at

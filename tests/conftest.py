@@ -1,0 +1,34 @@
+"""Shared fixtures: simulated engines started in-process on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import aiohttp
+import pytest
+
+from dprouter.sim.cluster import SimCluster
+from dprouter.sim.config import EngineConfig
+
+StartCluster = Callable[[Sequence[EngineConfig]], Awaitable[SimCluster]]
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.fixture
+async def start_cluster() -> AsyncIterator[StartCluster]:
+    started: list[SimCluster] = []
+
+    async def start(configs: Sequence[EngineConfig], host: str = "127.0.0.1") -> SimCluster:
+        cluster = SimCluster(configs, host)
+        await cluster.start()
+        started.append(cluster)
+        return cluster
+
+    yield start
+    for cluster in started:
+        await cluster.stop()
