@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
 
 import aiohttp
 import pytest
@@ -10,7 +11,11 @@ import pytest
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig
 
-StartCluster = Callable[[Sequence[EngineConfig]], Awaitable[SimCluster]]
+
+class StartCluster(Protocol):
+    async def __call__(
+        self, configs: Sequence[EngineConfig], host: str = "127.0.0.1"
+    ) -> SimCluster: ...
 
 
 @pytest.fixture

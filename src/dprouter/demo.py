@@ -32,8 +32,9 @@ def pin(slot: Slot, body: dict[str, object]) -> tuple[dict[str, str], dict[str, 
     return {}, {**body, "routed_dp_rank": slot.rank}
 
 
-async def _send(session: aiohttp.ClientSession, server: SimServer, n: int,
-                slot: Slot | None) -> None:  # fmt: skip
+async def _send(
+    session: aiohttp.ClientSession, server: SimServer, n: int, slot: Slot | None
+) -> None:
     body: dict[str, object] = {"model": "demo", "prompt": f"demo request {n}", "max_tokens": 32}
     headers: dict[str, str] = {}
     if slot is not None:
@@ -56,8 +57,12 @@ async def _burst(cluster: SimCluster, per_engine: int, pinned: bool) -> Counter[
             else:
                 jobs.append(_send(session, cluster[n % len(cluster)], n, None))
         await asyncio.gather(*jobs)
-    return Counter((s.engine_id, rec.rank) for s in cluster.servers for rec in s.received
-                   if rec.rank is not None)  # fmt: skip
+    return Counter(
+        (s.engine_id, rec.rank)
+        for s in cluster.servers
+        for rec in s.received
+        if rec.rank is not None
+    )
 
 
 async def run_demo(per_engine: int) -> None:
@@ -75,13 +80,20 @@ async def run_demo(per_engine: int) -> None:
             click.echo(f"{s.engine_id + ' r' + str(r):<14}{own[key]:>14}{flat[key]:>12}")
     used_own = sum(1 for v in own.values() if v)
     total = sum(s.config.dp_size for s in cluster.servers)
-    click.echo(f"\nranks used: engine picks {used_own}/{total}, flat slots "
-               f"{sum(1 for v in flat.values() if v)}/{total}")  # fmt: skip
+    click.echo(
+        f"\nranks used: engine picks {used_own}/{total}, flat slots "
+        f"{sum(1 for v in flat.values() if v)}/{total}"
+    )
 
 
 @click.command()
-@click.option("--requests-per-engine", "per_engine", type=click.IntRange(1, 2000), default=40,
-              show_default=True)  # fmt: skip
+@click.option(
+    "--requests-per-engine",
+    "per_engine",
+    type=click.IntRange(1, 2000),
+    default=40,
+    show_default=True,
+)
 def demo(per_engine: int) -> None:
     """Start a simulated cluster on loopback and show how a burst lands on its ranks."""
     asyncio.run(run_demo(per_engine))

@@ -23,8 +23,13 @@ class SimCluster:
     real ones); otherwise engine i listens on ``base_port + i``.
     """
 
-    def __init__(self, configs: Sequence[EngineConfig], host: str = "127.0.0.1",
-                 base_port: int = 0, prefix: str = "engine") -> None:  # fmt: skip
+    def __init__(
+        self,
+        configs: Sequence[EngineConfig],
+        host: str = "127.0.0.1",
+        base_port: int = 0,
+        prefix: str = "engine",
+    ) -> None:
         self.servers = [
             SimServer(c, f"{prefix}-{i}", host, base_port + i if base_port else 0)
             for i, c in enumerate(configs)
@@ -55,6 +60,7 @@ class SimCluster:
         await self.start()
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.stop()

@@ -17,15 +17,13 @@ class DispatchError(ValueError):
 class Dispatcher(Protocol):
     def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int: ...
 
-    def observe(self, ranks: Sequence[Rank], now: float) -> None:
-        """Called after every step: a chance to publish fresh load counts."""
-
 
 class VllmScore:
     """vLLM's DP load balancer: lowest ``waiting*4 + running``, first minimum wins.
 
     The counts come from a snapshot published at most every ``interval``
-    seconds, so a burst inside one interval sees the same stale counts. With
+    seconds (taken at the first pick after the interval expired), so a burst
+    inside one interval sees the same stale counts. With
     ``reserve_locally`` each pick adds one waiting request to the snapshot until
     the next one replaces it (what vLLM >= 0.10 does between coordinator updates).
     """
@@ -36,13 +34,10 @@ class VllmScore:
         self.snapshot: list[list[int]] = []
         self.published = float("-inf")
 
-    def observe(self, ranks: Sequence[Rank], now: float) -> None:
+    def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
         if now - self.published >= self.interval:
             self.snapshot = [[r.num_waiting, r.num_running] for r in ranks]
             self.published = now
-
-    def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
-        self.observe(ranks, now)
         best, best_score = 0, None
         for i, (waiting, running) in enumerate(self.snapshot):
             score = waiting * 4 + running
@@ -59,9 +54,6 @@ class RoundRobin:
     def __init__(self) -> None:
         self.counter = 0
 
-    def observe(self, ranks: Sequence[Rank], now: float) -> None:
-        pass
-
     def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
         rank = self.counter % len(ranks)
         self.counter += 1
@@ -74,9 +66,6 @@ class ShortestQueue:
     def __init__(self) -> None:
         self.start = 0
 
-    def observe(self, ranks: Sequence[Rank], now: float) -> None:
-        pass
-
     def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
         n = len(ranks)
         order = [(self.start + i) % n for i in range(n)]
@@ -87,9 +76,6 @@ class ShortestQueue:
 
 class FollowBootstrapRoom:
     """SGLang ``follow_bootstrap_room`` (P/D default): rank = room % dp_size."""
-
-    def observe(self, ranks: Sequence[Rank], now: float) -> None:
-        pass
 
     def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
         if req.bootstrap_room is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from dprouter.sim.server import SimServer
 
 VERSION = "0.1.0-sim"
-Handler = Any
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
@@ -38,9 +39,15 @@ def common_routes(server: SimServer) -> list[web.RouteDef]:
         return web.Response(status=200)
 
     async def models(_: web.Request) -> web.Response:
-        card = {"id": server.config.model, "object": "model", "created": int(time.time()),
-                "owned_by": server.persona.name, "root": server.config.model, "parent": None,
-                "max_model_len": server.config.limits.max_model_len}  # fmt: skip
+        card = {
+            "id": server.config.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": server.persona.name,
+            "root": server.config.model,
+            "parent": None,
+            "max_model_len": server.config.limits.max_model_len,
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -98,21 +105,34 @@ def sglang_routes(server: SimServer) -> list[web.RouteDef]:
         # model_path and tokenizer_path are left out on purpose: peers that see them
         # try to download a tokenizer from a model hub
         args: dict[str, Any] = {
-            "served_model_name": c.model, "tp_size": c.tp_size, "dp_size": c.dp_size,
-            "enable_dp_attention": c.dp_attention, "load_balance_method": c.dispatch_mode,
-            "disaggregation_mode": "null", "page_size": c.limits.block_size,
+            "served_model_name": c.model,
+            "tp_size": c.tp_size,
+            "dp_size": c.dp_size,
+            "enable_dp_attention": c.dp_attention,
+            "load_balance_method": c.dispatch_mode,
+            "disaggregation_mode": "null",
+            "page_size": c.limits.block_size,
             "max_running_requests": c.limits.max_running,
             "chunked_prefill_size": c.cost.max_batched_tokens,
-        }  # fmt: skip
+        }
         states = [
-            {**args, "dp_rank": r.index, "last_gen_throughput": 0.0,
-             "memory_usage": {"token_capacity": r.limits.kv_tokens},
-             "effective_max_running_requests_per_dp": r.limits.max_running}
+            {
+                **args,
+                "dp_rank": r.index,
+                "last_gen_throughput": 0.0,
+                "memory_usage": {"token_capacity": r.limits.kv_tokens},
+                "effective_max_running_requests_per_dp": r.limits.max_running,
+            }
             for r in server.engine.ranks
-        ]  # fmt: skip
-        return {**args, "status": "ready", "max_total_num_tokens": c.limits.kv_tokens,
-                "max_req_input_len": c.limits.max_model_len - 1, "internal_states": states,
-                "version": VERSION}  # fmt: skip
+        ]
+        return {
+            **args,
+            "status": "ready",
+            "max_total_num_tokens": c.limits.kv_tokens,
+            "max_req_input_len": c.limits.max_model_len - 1,
+            "internal_states": states,
+            "version": VERSION,
+        }
 
     async def server_info(_: web.Request) -> web.Response:
         return web.json_response(info())
@@ -130,18 +150,28 @@ def sglang_routes(server: SimServer) -> list[web.RouteDef]:
             "total_waiting_reqs": sum(x["num_waiting_reqs"] for x in per_rank),
             "total_used_tokens": sum(x["num_used_tokens"] for x in per_rank),
         }
-        return web.json_response({
-            "timestamp": datetime.now(UTC).isoformat(), "version": VERSION,
-            "dp_rank_count": server.config.dp_size, "loads": per_rank, "aggregate": aggregate,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "timestamp": datetime.now(UTC).isoformat(),
+                "version": VERSION,
+                "dp_rank_count": server.config.dp_size,
+                "loads": per_rank,
+                "aggregate": aggregate,
+            }
+        )
 
     async def get_load(_: web.Request) -> web.Response:
         out = [
-            {"dp_rank": r.index, "num_reqs": r.num_running + r.num_waiting,
-             "num_waiting_reqs": r.num_waiting, "num_tokens": r.kv_used + _pending_tokens(r),
-             "num_pending_tokens": _pending_tokens(r), "ts_tic": time.perf_counter()}
+            {
+                "dp_rank": r.index,
+                "num_reqs": r.num_running + r.num_waiting,
+                "num_waiting_reqs": r.num_waiting,
+                "num_tokens": r.kv_used + _pending_tokens(r),
+                "num_pending_tokens": _pending_tokens(r),
+                "ts_tic": time.perf_counter(),
+            }
             for r in server.engine.ranks
-        ]  # fmt: skip
+        ]
         return web.json_response(out)
 
     async def generate(request: web.Request) -> web.StreamResponse:

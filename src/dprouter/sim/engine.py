@@ -86,8 +86,9 @@ class Stepper:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, engine_id: str = "engine-0",
-                 track_tokens: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, config: EngineConfig, engine_id: str = "engine-0", track_tokens: bool = True
+    ) -> None:
         self.config = config
         self.engine_id = engine_id
         slow = config.faults.slow_ranks
@@ -99,7 +100,9 @@ class Engine:
             self.steppers = [Stepper(0, list(self.ranks))]
         else:
             self.steppers = [Stepper(i, [r]) for i, r in enumerate(self.ranks)]
-        self._stepper_of = [self.steppers[0 if config.dp_attention else i] for i in range(config.dp_size)]
+        self._stepper_of = [
+            self.steppers[0 if config.dp_attention else i] for i in range(config.dp_size)
+        ]
         self.dispatcher = make_dispatcher(config)
 
     @property
@@ -124,9 +127,7 @@ class Engine:
         return self._stepper_of[rank]
 
     def end(self, plan: StepPlan, now: float) -> StepEvents:
-        events = plan.stepper.end(plan, now)
-        self.dispatcher.observe(self.ranks, now)
-        return events
+        return plan.stepper.end(plan, now)
 
     def abort(self, req: SimRequest, now: float) -> None:
         if req.rank is not None and not req.done:

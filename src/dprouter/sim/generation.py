@@ -26,6 +26,15 @@ def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
+def too_long(limit: int, parsed: Parsed) -> str:
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{parsed.prompt_len_total} tokens ({len(parsed.prompt_ids)} in the messages, "
+        f"{parsed.max_tokens} in the completion). Please reduce the length of the messages "
+        "or completion."
+    )
+
+
 class Generation:
     """One request's journey through the engine."""
 
@@ -35,8 +44,9 @@ class Generation:
         self.kind = kind
         self.headers = {"x-sim-engine": server.engine_id}
 
-    def fail(self, status: int, message: str, etype: str = "BadRequestError",
-             param: str | None = None) -> web.Response:  # fmt: skip
+    def fail(
+        self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None
+    ) -> web.Response:
         body = self.server.persona.error_body(status, message, etype, param, self.kind)
         return web.json_response(body, status=status, headers=self.headers, dumps=_dumps)
 
@@ -78,20 +88,24 @@ class Generation:
             return await self.stream_fail(str(exc)) if parsed.stream else self.fail(400, str(exc))
         limit = server.config.limits.max_model_len
         if parsed.prompt_len_total > limit:
-            return self.fail(400, (
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{parsed.prompt_len_total} tokens ({len(parsed.prompt_ids)} in the messages, "
-                f"{parsed.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion."
-            ))  # fmt: skip
-        if server.generation_requests <= faults.fail_first or server.rng.random() < faults.fail_rate:
+            return self.fail(400, too_long(limit, parsed))
+        if (
+            server.generation_requests <= faults.fail_first
+            or server.rng.random() < faults.fail_rate
+        ):
             return self.fail(500, "simulated engine failure", "InternalServerError")
         if faults.hang:
             await asyncio.Event().wait()  # until the client gives up
         room = body.get("bootstrap_room")
         rid = parsed.rid or RID_PREFIX[self.kind] + uuid.uuid4().hex
-        req = SimRequest(rid, parsed.prompt_ids, parsed.max_tokens, server.runner.now(), rank,
-                         room if isinstance(room, int) else None)  # fmt: skip
+        req = SimRequest(
+            rid,
+            parsed.prompt_ids,
+            parsed.max_tokens,
+            server.runner.now(),
+            rank,
+            room if isinstance(room, int) else None,
+        )
         try:
             queue = server.runner.submit(req)
         except DispatchError as exc:
@@ -107,8 +121,9 @@ class Generation:
             if not req.done:
                 server.runner.abort(req)  # client gone or server stopping: free the rank
 
-    async def whole(self, req: SimRequest, parsed: Parsed,
-                    queue: asyncio.Queue[tuple[int, bool]]) -> web.StreamResponse:  # fmt: skip
+    async def whole(
+        self, req: SimRequest, parsed: Parsed, queue: asyncio.Queue[tuple[int, bool]]
+    ) -> web.StreamResponse:
         done = False
         while not done:
             generated, done = await queue.get()
@@ -117,16 +132,23 @@ class Generation:
         digest = prompt_digest(req.prompt_ids)
         text = "".join(output_token(digest, i) for i in range(req.generated))
         if self.kind == "generate":
-            meta = generate_meta(req.rid, req.prompt_len, req.generated, req.cached_tokens, True,
-                                 self.server.runner.now() - req.arrival)  # fmt: skip
+            meta = generate_meta(
+                req.rid,
+                req.prompt_len,
+                req.generated,
+                req.cached_tokens,
+                True,
+                self.server.runner.now() - req.arrival,
+            )
             body: dict[str, Any] = {"text": text, "output_ids": tokenize(text), "meta_info": meta}
         else:
             use = usage(req.prompt_len, req.generated, req.cached_tokens)
             body = Render(self.kind, req.rid, self.server.config.model, False).full(text, use)
         return web.json_response(body, headers=self.headers, dumps=_dumps)
 
-    async def stream(self, req: SimRequest, parsed: Parsed,
-                     queue: asyncio.Queue[tuple[int, bool]]) -> web.StreamResponse:  # fmt: skip
+    async def stream(
+        self, req: SimRequest, parsed: Parsed, queue: asyncio.Queue[tuple[int, bool]]
+    ) -> web.StreamResponse:
         headers = {**self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         resp = web.StreamResponse(headers=headers)
         await resp.prepare(self.request)
@@ -140,16 +162,26 @@ class Generation:
             while not done:
                 generated, done = await queue.get()
                 if generated < 0:
-                    error = {"message": "engine shut down", "type": "ServiceUnavailableError",
-                             "param": None, "code": 503}  # fmt: skip
+                    error = {
+                        "message": "engine shut down",
+                        "type": "ServiceUnavailableError",
+                        "param": None,
+                        "code": 503,
+                    }
                     await resp.write(sse({"error": error}) + DONE)
                     return resp
                 piece = "".join(output_token(digest, i) for i in range(sent, generated))
                 sent = generated
                 if self.kind == "generate":
                     text += piece
-                    meta = generate_meta(req.rid, req.prompt_len, sent, req.cached_tokens, done,
-                                         self.server.runner.now() - req.arrival)  # fmt: skip
+                    meta = generate_meta(
+                        req.rid,
+                        req.prompt_len,
+                        sent,
+                        req.cached_tokens,
+                        done,
+                        self.server.runner.now() - req.arrival,
+                    )
                     await resp.write(sse({"text": text, "meta_info": meta}))
                 else:
                     await resp.write(render.piece(piece, done))

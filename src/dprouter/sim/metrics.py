@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -21,6 +21,18 @@ from prometheus_client.registry import Collector
 from dprouter.sim.engine import Engine
 
 LABELS = ["engine", "model_name"]
+# (series, help, attribute of Rank) for gauges and of RankStats for counters
+GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
+)
+COUNTERS = (
+    ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", "prefix_queries"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", "prefix_hits"),
+)
 
 
 class VllmCollector(Collector):
@@ -30,51 +42,33 @@ class VllmCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         model = self.engine.config.model
         ranks = self.engine.ranks
-        gauges = [
-            ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             lambda r: r.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             lambda r: r.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             lambda r: r.kv_usage),
-        ]  # fmt: skip
-        for name, doc, read in gauges:
+        for name, doc, attr in GAUGES:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
             for r in ranks:
-                g.add_metric([str(r.index), model], float(read(r)))
+                g.add_metric([str(r.index), model], float(getattr(r, attr)))
             yield g
         success = CounterMetricFamily(
-            "vllm:request_success", "Count of successfully processed requests.",
+            "vllm:request_success",
+            "Count of successfully processed requests.",
             labels=[*LABELS, "finished_reason"],
-        )  # fmt: skip
+        )
         for r in ranks:
             success.add_metric([str(r.index), model, "length"], r.stats.success)
             success.add_metric([str(r.index), model, "abort"], r.stats.aborted)
         yield success
-        counters = [
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             "prefix_queries"),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             "prefix_hits"),
-        ]  # fmt: skip
-        for name, doc, attr in counters:
+        for name, doc, attr in COUNTERS:
             c = CounterMetricFamily(name, doc, labels=LABELS)
             for r in ranks:
                 c.add_metric([str(r.index), model], getattr(r.stats, attr))
             yield c
         h = HistogramMetricFamily(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
             labels=LABELS,
-        )  # fmt: skip
+        )
         for r in ranks:
             h.add_metric([str(r.index), model], r.stats.ttft.cumulative(), r.stats.ttft.total)
         yield h
-
-
-def vllm_metrics_text(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
 
 
 def vllm_registry(engine: Engine) -> CollectorRegistry:

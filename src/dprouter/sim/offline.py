@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dprouter.sim.config import EngineConfig
-from dprouter.sim.engine import Engine, StepPlan, Stepper
+from dprouter.sim.engine import Engine, Stepper, StepPlan
 from dprouter.sim.report import RankUse, SimReport, summarise
 from dprouter.sim.request import SimRequest
 
@@ -54,6 +54,7 @@ class OfflineSim:
     configs: Sequence[EngineConfig]
     route: Route
     on_finish: OnFinish | None = None  # e.g. to release a router's outstanding count
+    max_steps: int = MAX_STEPS  # 1 simulates every decode step as its own event
     cluster: Cluster = field(init=False)
 
     def __post_init__(self) -> None:
@@ -71,7 +72,7 @@ class OfflineSim:
         engines = self.cluster.engines
 
         def kick(stepper: Stepper, now: float) -> None:
-            plan = stepper.begin(now, MAX_STEPS)
+            plan = stepper.begin(now, self.max_steps)
             if plan is not None:
                 heapq.heappush(heap, (plan.end, next(seq), plan))
 
@@ -99,8 +100,14 @@ class OfflineSim:
             self.cluster.now = arrival.time
             e, rank = self.route(self.cluster, arrival)
             rid = f"r{n}"
-            req = SimRequest(rid, list(arrival.prompt_ids), arrival.max_tokens, arrival.time,
-                             rank, arrival.bootstrap_room)  # fmt: skip
+            req = SimRequest(
+                rid,
+                list(arrival.prompt_ids),
+                arrival.max_tokens,
+                arrival.time,
+                rank,
+                arrival.bootstrap_room,
+            )
             origin[rid] = arrival
             stepper = engines[e].add(req, arrival.time)
             self._usage[(e, req.rank if req.rank is not None else 0)].routed += 1
@@ -119,11 +126,17 @@ class OfflineSim:
             for rank in eng.ranks:
                 use = self._usage[(e, rank.index)]
                 s = rank.stats
-                ranks.append(RankUse(
-                    engine=e, rank=rank.index, requests=use.routed,
-                    busy=s.busy_time / makespan if makespan else 0.0,
-                    mean_waiting=use.waiting_area / makespan if makespan else 0.0,
-                    max_waiting=use.max_waiting,
-                    prefix_hit_rate=s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0,
-                ))  # fmt: skip
+                ranks.append(
+                    RankUse(
+                        engine=e,
+                        rank=rank.index,
+                        requests=use.routed,
+                        busy=s.busy_time / makespan if makespan else 0.0,
+                        mean_waiting=use.waiting_area / makespan if makespan else 0.0,
+                        max_waiting=use.max_waiting,
+                        prefix_hit_rate=s.prefix_hits / s.prefix_queries
+                        if s.prefix_queries
+                        else 0.0,
+                    )
+                )
         return summarise(done, ranks, makespan, cpu)

@@ -15,11 +15,13 @@ class RankError(ValueError):
 class Persona(Protocol):
     name: str
 
-    def error_body(self, status: int, message: str, etype: str, param: str | None,
-                   kind: Kind) -> dict[str, Any]: ...  # fmt: skip
+    def error_body(
+        self, status: int, message: str, etype: str, param: str | None, kind: Kind
+    ) -> dict[str, Any]: ...
 
-    def pinned_rank(self, headers: Mapping[str, str], body: Mapping[str, Any],
-                    dp_size: int) -> int | None: ...  # fmt: skip
+    def pinned_rank(
+        self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int
+    ) -> int | None: ...
 
     def model_error(self, model: str | None, served: str) -> str | None: ...
 
@@ -29,12 +31,14 @@ class VllmPersona:
 
     name = "vllm"
 
-    def error_body(self, status: int, message: str, etype: str, param: str | None,
-                   kind: Kind) -> dict[str, Any]:  # fmt: skip
+    def error_body(
+        self, status: int, message: str, etype: str, param: str | None, kind: Kind
+    ) -> dict[str, Any]:
         return {"error": {"message": message, "type": etype, "param": param, "code": status}}
 
-    def pinned_rank(self, headers: Mapping[str, str], body: Mapping[str, Any],
-                    dp_size: int) -> int | None:  # fmt: skip
+    def pinned_rank(
+        self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int
+    ) -> int | None:
         raw = headers.get("X-data-parallel-rank")
         if raw is None:
             return None
@@ -57,15 +61,22 @@ class SglangPersona:
 
     name = "sglang"
 
-    def error_body(self, status: int, message: str, etype: str, param: str | None,
-                   kind: Kind) -> dict[str, Any]:  # fmt: skip
+    def error_body(
+        self, status: int, message: str, etype: str, param: str | None, kind: Kind
+    ) -> dict[str, Any]:
         if kind == "generate":
             return {"error": {"message": message}}
-        return {"object": "error", "message": message, "type": etype, "param": param,
-                "code": status}  # fmt: skip
+        return {
+            "object": "error",
+            "message": message,
+            "type": etype,
+            "param": param,
+            "code": status,
+        }
 
-    def pinned_rank(self, headers: Mapping[str, str], body: Mapping[str, Any],
-                    dp_size: int) -> int | None:  # fmt: skip
+    def pinned_rank(
+        self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int
+    ) -> int | None:
         raw = headers.get("X-Data-Parallel-Rank")
         rank: Any
         if raw is not None:

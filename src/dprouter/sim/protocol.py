@@ -23,15 +23,16 @@ class StreamOptions(_Body):
 
 class CompletionBody(_Body):
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int]
     max_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v: Any) -> Any:
+        """A batch of one prompt is that prompt; the simulator takes no larger batches."""
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
                 raise ValueError("the simulated engine serves one prompt per request")
@@ -105,24 +106,42 @@ def _parse(kind: Kind, body: object) -> Parsed:
     try:
         if kind == "completion":
             c = CompletionBody.model_validate(body)
-            ids = tokenize(c.prompt) if isinstance(c.prompt, str) else list(c.prompt)  # type: ignore[arg-type]
+            ids = tokenize(c.prompt) if isinstance(c.prompt, str) else c.prompt
             opts = c.stream_options
-            return Parsed(kind=kind, model=c.model, prompt_ids=ids,
-                          max_tokens=c.max_tokens or DEFAULT_MAX_TOKENS, stream=c.stream,
-                          include_usage=bool(opts and opts.include_usage))
+            return Parsed(
+                kind=kind,
+                model=c.model,
+                prompt_ids=ids,
+                max_tokens=c.max_tokens or DEFAULT_MAX_TOKENS,
+                stream=c.stream,
+                include_usage=bool(opts and opts.include_usage),
+            )
         if kind == "chat":
             ch = ChatBody.model_validate(body)
             text = render_chat([(m.role, m.text()) for m in ch.messages])
             opts = ch.stream_options
             limit = ch.max_completion_tokens or ch.max_tokens or DEFAULT_MAX_TOKENS
-            return Parsed(kind=kind, model=ch.model, prompt_ids=tokenize(text), max_tokens=limit,
-                          stream=ch.stream, include_usage=bool(opts and opts.include_usage))
+            return Parsed(
+                kind=kind,
+                model=ch.model,
+                prompt_ids=tokenize(text),
+                max_tokens=limit,
+                stream=ch.stream,
+                include_usage=bool(opts and opts.include_usage),
+            )
         g = GenerateBody.model_validate(body)
         if (g.text is None) == (g.input_ids is None):
             raise ValueError("exactly one of text or input_ids must be given")
         ids = tokenize(g.text) if g.text is not None else list(g.input_ids or [])
-        return Parsed(kind=kind, model=None, prompt_ids=ids, stream=g.stream, include_usage=False,
-                      max_tokens=g.sampling_params.max_new_tokens or DEFAULT_MAX_TOKENS, rid=g.rid)
+        return Parsed(
+            kind=kind,
+            model=None,
+            prompt_ids=ids,
+            stream=g.stream,
+            include_usage=False,
+            max_tokens=g.sampling_params.max_new_tokens or DEFAULT_MAX_TOKENS,
+            rid=g.rid,
+        )
     except ValidationError as exc:
         raise ValueError(describe(exc)) from None
 

@@ -38,8 +38,14 @@ class Rank:
     """``track_tokens`` lists every decoding request in each step's events (the HTTP
     simulator streams them); the offline simulator only needs first and last tokens."""
 
-    def __init__(self, index: int, limits: RankLimits, cost: CostModel, slow: float = 1.0,
-                 track_tokens: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        index: int,
+        limits: RankLimits,
+        cost: CostModel,
+        slow: float = 1.0,
+        track_tokens: bool = True,
+    ) -> None:
         self.index = index
         self.limits = limits
         self.cost = cost

@@ -41,11 +41,14 @@ class SimReport:
             f"requests {self.requests}  makespan {self.makespan:.2f}s  "
             f"throughput {self.throughput:.0f} tok/s  cpu {self.cpu_seconds:.2f}s",
             f"TTFT p50/p90/p99 {_ms(self.ttft)}   TPOT p50/p90/p99 {_ms(self.tpot)}",
-            f"{'engine':>6} {'rank':>4} {'reqs':>6} {'busy':>6} {'wait~':>7} {'wait^':>6} {'hit':>5}",
+            f"{'engine':>6} {'rank':>4} {'reqs':>6} {'busy':>6} "
+            f"{'wait~':>7} {'wait^':>6} {'hit':>5}",
         ]
         for r in self.ranks:
-            lines.append(f"{r.engine:>6} {r.rank:>4} {r.requests:>6} {r.busy:>6.0%} "
-                         f"{r.mean_waiting:>7.2f} {r.max_waiting:>6} {r.prefix_hit_rate:>5.0%}")  # fmt: skip
+            lines.append(
+                f"{r.engine:>6} {r.rank:>4} {r.requests:>6} {r.busy:>6.0%} "
+                f"{r.mean_waiting:>7.2f} {r.max_waiting:>6} {r.prefix_hit_rate:>5.0%}"
+            )
         return "\n".join(lines)
 
 
@@ -64,8 +67,9 @@ def percentiles(values: Sequence[float]) -> Percentiles:
     return Percentiles(at(0.50), at(0.90), at(0.99))
 
 
-def summarise(done: Sequence[SimRequest], ranks: list[RankUse], makespan: float,
-              cpu: float) -> SimReport:  # fmt: skip
+def summarise(
+    done: Sequence[SimRequest], ranks: list[RankUse], makespan: float, cpu: float
+) -> SimReport:
     ttft = [r.first_token_at - r.arrival for r in done if r.first_token_at is not None]
     tpot = [
         (r.finished_at - r.first_token_at) / (r.generated - 1)
@@ -74,7 +78,11 @@ def summarise(done: Sequence[SimRequest], ranks: list[RankUse], makespan: float,
     ]
     tokens = sum(r.generated for r in done)
     return SimReport(
-        requests=len(done), makespan=makespan,
+        requests=len(done),
+        makespan=makespan,
         throughput=tokens / makespan if makespan else 0.0,
-        ttft=percentiles(ttft), tpot=percentiles(tpot), ranks=ranks, cpu_seconds=cpu,
-    )  # fmt: skip
+        ttft=percentiles(ttft),
+        tpot=percentiles(tpot),
+        ranks=ranks,
+        cpu_seconds=cpu,
+    )

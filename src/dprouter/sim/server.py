@@ -47,8 +47,14 @@ class SimServer:
     would; ``start()`` again brings a fresh engine up on the same port.
     """
 
-    def __init__(self, config: EngineConfig, engine_id: str = "engine-0",
-                 host: str = "127.0.0.1", port: int = 0, max_body: int = 64 << 20) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_id: str = "engine-0",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body: int = 64 << 20,
+    ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.host = host
@@ -89,8 +95,9 @@ class SimServer:
         self.runner.start()
         self.generation_requests = 0
         self.started_at = asyncio.get_running_loop().time()
-        self._runner = web.AppRunner(self._make_app(), handler_cancellation=True,
-                                     access_log=None, shutdown_timeout=1.0)  # fmt: skip
+        self._runner = web.AppRunner(
+            self._make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         await self._runner.setup()
         sock = bind(self.host, self.port)
         self.port = sock.getsockname()[1]

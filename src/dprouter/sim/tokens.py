@@ -17,11 +17,39 @@ from functools import lru_cache
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 WORDS: tuple[str, ...] = (
-    "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
-    "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa",
-    "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray",
-    "yankee", "zulu", "amber", "basil", "cedar", "dune", "ember", "fern",
-)  # fmt: skip
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+    "amber",
+    "basil",
+    "cedar",
+    "dune",
+    "ember",
+    "fern",
+)
 
 
 @lru_cache(maxsize=65536)

@@ -1,0 +1,3 @@
+from dprouter.cli import main
+
+main()

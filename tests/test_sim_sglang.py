@@ -1,0 +1,192 @@
+"""The SGLang persona over real HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from dprouter.sim.config import EngineConfig
+from dprouter.sim.tokens import tokenize
+from tests.conftest import StartCluster
+from tests.test_sim_vllm import sse_events
+
+
+async def complete(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> tuple[int, str | None, Any]:
+    payload = {"prompt": "hello", "max_tokens": 2, **body}
+    async with http.post(url + "/v1/completions", json=payload, headers=headers or {}) as r:
+        return r.status, r.headers.get("x-sim-dp-rank"), await r.json()
+
+
+async def test_server_info_reports_dp_shape(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    config = EngineConfig(persona="sglang", dp_size=4, tp_size=2, dp_attention=True)
+    (engine,) = (await start_cluster([config])).servers
+    for path in ("/server_info", "/get_server_info"):
+        async with http.get(engine.url + path) as r:
+            info = await r.json()
+        assert (info["dp_size"], info["tp_size"], info["enable_dp_attention"]) == (4, 2, True)
+        assert info["load_balance_method"] == "round_robin"
+        assert info["disaggregation_mode"] == "null"
+        assert [s["dp_rank"] for s in info["internal_states"]] == [0, 1, 2, 3]
+        assert "model_path" not in info and "tokenizer_path" not in info
+
+
+async def test_routed_dp_rank_older_name_and_header_override(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(persona="sglang", dp_size=4)])).servers
+    assert (await complete(http, engine.url, {"routed_dp_rank": 2}))[1] == "2"
+    assert (await complete(http, engine.url, {"data_parallel_rank": 3}))[1] == "3"
+    both = {"routed_dp_rank": 1, "data_parallel_rank": 3}
+    assert (await complete(http, engine.url, both))[1] == "1"
+    header = {"X-Data-Parallel-Rank": "0"}
+    assert (await complete(http, engine.url, {"routed_dp_rank": 2}, header))[1] == "0"
+    received = [rec.rank for rec in engine.received]
+    assert received == [2, 3, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "message"),
+    [
+        ({"routed_dp_rank": 4}, {}, "routed_dp_rank=4 out of range [0, 4)"),
+        ({"routed_dp_rank": "two"}, {}, "routed_dp_rank must be an integer, got 'two'"),
+        (
+            {},
+            {"X-Data-Parallel-Rank": "abc"},
+            "Invalid X-Data-Parallel-Rank header: must be an integer, got 'abc'",
+        ),
+    ],
+)
+async def test_bad_rank_is_rejected(
+    start_cluster: StartCluster,
+    http: aiohttp.ClientSession,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    message: str,
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(persona="sglang", dp_size=4)])).servers
+    status, rank, error = await complete(http, engine.url, body, headers)
+    assert (status, rank) == (400, None)
+    assert error == {
+        "object": "error",
+        "message": message,
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+
+
+async def test_rank_zero_on_a_single_rank_engine_is_ignored(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(persona="sglang")])).servers
+    assert (await complete(http, engine.url, {"routed_dp_rank": 0}))[:2] == (200, "0")
+    assert (await complete(http, engine.url, {"routed_dp_rank": 1}))[0] == 400
+
+
+async def test_loads_and_get_load_per_rank(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(persona="sglang", dp_size=2)])).servers
+
+    async def long(i: int) -> None:
+        async with http.post(
+            engine.url + "/generate",
+            json={
+                "text": f"busy {i}",
+                "sampling_params": {"max_new_tokens": 200},
+                "routed_dp_rank": 1,
+            },
+        ) as r:
+            await r.read()
+
+    tasks = [asyncio.create_task(long(i)) for i in range(3)]
+    await asyncio.sleep(0.1)
+    async with http.get(engine.url + "/v1/loads") as r:
+        loads = await r.json()
+    assert loads["dp_rank_count"] == 2
+    per_rank = {x["dp_rank"]: x for x in loads["loads"]}
+    assert per_rank[0]["num_running_reqs"] == 0 and per_rank[1]["num_running_reqs"] == 3
+    assert per_rank[1]["num_used_tokens"] > 3 * len(tokenize("busy 0"))
+    assert 0 < per_rank[1]["token_usage"] < 1
+    async with http.get(engine.url + "/v1/loads?dp_rank=1") as r:
+        assert [x["dp_rank"] for x in (await r.json())["loads"]] == [1]
+    async with http.get(engine.url + "/get_load") as r:
+        old = await r.json()
+    assert [(x["dp_rank"], x["num_reqs"]) for x in old] == [(0, 0), (1, 3)]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_generate_streams_cumulative_text(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(persona="sglang", dp_size=2)])).servers
+    body = {
+        "text": "tell me",
+        "sampling_params": {"max_new_tokens": 4},
+        "stream": True,
+        "routed_dp_rank": 1,
+    }
+    async with http.post(engine.url + "/generate", json=body) as r:
+        assert r.headers["x-sim-dp-rank"] == "1"
+        events = sse_events(await r.read())
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    texts = [c["text"] for c in chunks]
+    assert len(texts) == 4 and all(b.startswith(a) for a, b in itertools.pairwise(texts))
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert events[-1] == b"[DONE]"
+    async with http.post(engine.url + "/generate", json={**body, "stream": False}) as r:
+        whole = await r.json()
+    assert whole["text"] == texts[-1]
+    assert whole["meta_info"]["completion_tokens"] == 4
+    assert whole["meta_info"]["prompt_tokens"] == len(tokenize("tell me"))
+
+
+async def test_round_robin_dispatch_is_blind_but_even(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(persona="sglang", dp_size=4)])).servers
+    ranks = [(await complete(http, engine.url, {}))[1] for _ in range(8)]
+    assert ranks == ["0", "1", "2", "3", "0", "1", "2", "3"]
+
+
+async def test_shortest_queue_avoids_the_busy_rank(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    config = EngineConfig(persona="sglang", dp_size=2, dispatch="shortest_queue")
+    (engine,) = (await start_cluster([config])).servers
+    busy = [
+        asyncio.create_task(complete(http, engine.url, {"max_tokens": 300, "routed_dp_rank": 0}))
+        for _ in range(4)
+    ]
+    await asyncio.sleep(0.05)
+    ranks = Counter([(await complete(http, engine.url, {}))[1] for _ in range(3)])
+    assert ranks == {"1": 3}
+    for t in busy:
+        t.cancel()
+    await asyncio.gather(*busy, return_exceptions=True)
+
+
+async def test_follow_bootstrap_room(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    config = EngineConfig(persona="sglang", dp_size=4, dispatch="follow_bootstrap_room")
+    (engine,) = (await start_cluster([config])).servers
+    for room in (5, 10, 2**62 + 3):
+        assert (await complete(http, engine.url, {"bootstrap_room": room}))[1] == str(room % 4)
+    status, _, error = await complete(http, engine.url, {})
+    assert status == 400 and "bootstrap_room should not be None" in error["message"]
