@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+import asyncio
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
 
 import aiohttp
 import pytest
@@ -37,3 +39,15 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
     yield start
     for cluster in started:
         await cluster.stop()
+
+
+@asynccontextmanager
+async def background(*coros: Coroutine[Any, Any, Any]) -> AsyncIterator[None]:
+    """Run requests in the background for the block; cancel what is left at its end."""
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -13,7 +13,7 @@ import pytest
 
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.tokens import tokenize
-from tests.conftest import StartCluster
+from tests.conftest import StartCluster, background
 from tests.test_sim_vllm import sse_events
 
 
@@ -112,23 +112,20 @@ async def test_loads_and_get_load_per_rank(
         ) as r:
             await r.read()
 
-    tasks = [asyncio.create_task(long(i)) for i in range(3)]
-    await asyncio.sleep(0.1)
-    async with http.get(engine.url + "/v1/loads") as r:
-        loads = await r.json()
-    assert loads["dp_rank_count"] == 2
-    per_rank = {x["dp_rank"]: x for x in loads["loads"]}
-    assert per_rank[0]["num_running_reqs"] == 0 and per_rank[1]["num_running_reqs"] == 3
-    assert per_rank[1]["num_used_tokens"] > 3 * len(tokenize("busy 0"))
-    assert 0 < per_rank[1]["token_usage"] < 1
-    async with http.get(engine.url + "/v1/loads?dp_rank=1") as r:
-        assert [x["dp_rank"] for x in (await r.json())["loads"]] == [1]
-    async with http.get(engine.url + "/get_load") as r:
-        old = await r.json()
-    assert [(x["dp_rank"], x["num_reqs"]) for x in old] == [(0, 0), (1, 3)]
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    async with background(*(long(i) for i in range(3))):
+        await asyncio.sleep(0.1)
+        async with http.get(engine.url + "/v1/loads") as r:
+            loads = await r.json()
+        assert loads["dp_rank_count"] == 2
+        per_rank = {x["dp_rank"]: x for x in loads["loads"]}
+        assert per_rank[0]["num_running_reqs"] == 0 and per_rank[1]["num_running_reqs"] == 3
+        assert per_rank[1]["num_used_tokens"] > 3 * len(tokenize("busy 0"))
+        assert 0 < per_rank[1]["token_usage"] < 1
+        async with http.get(engine.url + "/v1/loads?dp_rank=1") as r:
+            assert [x["dp_rank"] for x in (await r.json())["loads"]] == [1]
+        async with http.get(engine.url + "/get_load") as r:
+            old = await r.json()
+        assert [(x["dp_rank"], x["num_reqs"]) for x in old] == [(0, 0), (1, 3)]
 
 
 async def test_generate_streams_cumulative_text(
@@ -169,16 +166,11 @@ async def test_shortest_queue_avoids_the_busy_rank(
 ) -> None:
     config = EngineConfig(persona="sglang", dp_size=2, dispatch="shortest_queue")
     (engine,) = (await start_cluster([config])).servers
-    busy = [
-        asyncio.create_task(complete(http, engine.url, {"max_tokens": 300, "routed_dp_rank": 0}))
-        for _ in range(4)
-    ]
-    await asyncio.sleep(0.05)
-    ranks = Counter([(await complete(http, engine.url, {}))[1] for _ in range(3)])
+    busy = {"max_tokens": 300, "routed_dp_rank": 0}
+    async with background(*(complete(http, engine.url, busy) for _ in range(4))):
+        await asyncio.sleep(0.05)
+        ranks = Counter([(await complete(http, engine.url, {}))[1] for _ in range(3)])
     assert ranks == {"1": 3}
-    for t in busy:
-        t.cancel()
-    await asyncio.gather(*busy, return_exceptions=True)
 
 
 async def test_follow_bootstrap_room(

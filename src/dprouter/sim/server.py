@@ -75,10 +75,6 @@ class SimServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    @property
-    def crashed(self) -> bool:
-        return self._site is None and self.port != 0
-
     def _make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[endpoints.not_found])
         app.add_routes(endpoints.common_routes(self))
