@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from dprouter.net import bind, url_of
 from dprouter.sim import endpoints
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.engine import Engine
@@ -27,17 +27,6 @@ class Received:
     headers: dict[str, str]
     body: Any
     rank: int | None  # the rank that served it (None: rejected before placement)
-
-
-def bind(host: str, port: int, backlog: int = 4096) -> socket.socket:
-    """Bind a listening socket; port 0 picks a free port (read it back from the socket)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
-    sock.setblocking(False)
-    return sock
 
 
 class SimServer:
@@ -72,8 +61,7 @@ class SimServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return url_of(self.host, self.port)
 
     def _make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[endpoints.not_found])

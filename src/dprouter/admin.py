@@ -1,0 +1,131 @@
+"""The admin API: ``POST /workers``, ``GET /workers``, ``DELETE /workers/{id}``.
+
+Off unless the router has an admin token; then every call must carry
+``Authorization: Bearer <token>`` (a token of its own, not a client API key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from dprouter.config import (
+    ConfigError,
+    RouterConfig,
+    WorkerSpec,
+    validate,
+    worker_from_mapping,
+)
+from dprouter.monitor import Monitor
+from dprouter.proxy import error
+from dprouter.registry import Registry
+from dprouter.targets import Worker
+
+
+def describe(worker: Worker) -> dict[str, Any]:
+    return {
+        "id": worker.id,
+        "url": worker.url,
+        "role": worker.role,
+        "dialect": worker.dialect,
+        "state": worker.state,
+        "error": worker.error,
+        "dp_size": worker.ranks or worker.dp_size,
+        "dp_attention": worker.dp_attention,
+        "rank_offset": worker.rank_offset,
+        "models": list(worker.models),
+        "outstanding": worker.outstanding,
+        "targets": [
+            {
+                "target": t.label,
+                "dp_rank": t.rank,
+                "outstanding": t.outstanding,
+                "engine_load": t.reported,
+            }
+            for t in worker.targets
+        ],
+    }
+
+
+def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
+    return Worker(
+        id=spec.id or registry.next_id(spec.role),
+        url=spec.url,
+        role=spec.role,
+        dialect=spec.dialect,
+        dp_size=spec.dp_size,
+        rank_offset=spec.rank_offset,
+        model=spec.model,
+        bootstrap_port=spec.bootstrap_port,
+    )
+
+
+def admin_routes(token: str | None, registry: Registry, monitor: Monitor) -> list[web.RouteDef]:
+    def denied(request: web.Request) -> web.Response | None:
+        if token is None:
+            return error(
+                403,
+                "the admin API is off: start the router with an admin token",
+                "permission_error",
+            )
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return error(
+                401, "admin calls need Authorization: Bearer <admin token>", "authentication_error"
+            )
+        return None
+
+    async def add(request: web.Request) -> web.Response:
+        if (refused := denied(request)) is not None:
+            return refused
+        try:
+            raw = orjson.loads(await request.read())
+            if not isinstance(raw, dict):
+                raise ConfigError("the body must be a JSON object describing one worker")
+            spec = validate_one(worker_from_mapping(raw))
+            worker = registry.add(worker_from_spec(spec, registry))
+        except (orjson.JSONDecodeError, ConfigError, ValueError, TypeError) as exc:
+            status = 409 if "already registered" in str(exc) else 400
+            return error(status, str(exc), "invalid_request_error")
+        monitor.watch(worker)
+        wait = request.query.get("wait")
+        if wait is not None:
+            try:
+                async with asyncio.timeout(min(float(wait), 60.0)):
+                    await monitor.settled(worker)
+            except (TimeoutError, ValueError):
+                pass
+        return web.json_response(describe(worker), status=201, dumps=_dumps)
+
+    async def listing(request: web.Request) -> web.Response:
+        if (refused := denied(request)) is not None:
+            return refused
+        return web.json_response([describe(w) for w in registry.workers.values()], dumps=_dumps)
+
+    async def remove(request: web.Request) -> web.Response:
+        if (refused := denied(request)) is not None:
+            return refused
+        worker_id = request.match_info["worker_id"]
+        if worker_id not in registry.workers:
+            return error(404, f"no worker {worker_id!r}", "not_found_error")
+        monitor.forget(worker_id)
+        worker = registry.remove(worker_id)
+        return web.json_response({"removed": worker.id, "url": worker.url}, dumps=_dumps)
+
+    return [
+        web.post("/workers", add),
+        web.get("/workers", listing),
+        web.delete("/workers/{worker_id}", remove),
+    ]
+
+
+def validate_one(spec: WorkerSpec) -> WorkerSpec:
+    return validate(RouterConfig(workers=(spec,))).workers[0]
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()

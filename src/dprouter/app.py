@@ -1,0 +1,191 @@
+"""Assembling a router: ``build_app`` for the routes, ``Router`` to run one in-process.
+
+Every component is passed in or made here from the configuration -- no
+globals -- so two routers can run side by side in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dprouter.admin import admin_routes, worker_from_spec
+from dprouter.config import RouterConfig, validate
+from dprouter.metrics import RouterMetrics
+from dprouter.monitor import Monitor, MonitorOptions
+from dprouter.net import bind, check_backlog, url_of
+from dprouter.policies import Policy, make_policy
+from dprouter.proxy import Proxy, error
+from dprouter.registry import Registry
+
+log = logging.getLogger("dprouter")
+
+
+@dataclass
+class Parts:
+    config: RouterConfig
+    registry: Registry
+    policy: Policy
+    monitor: Monitor
+    metrics: RouterMetrics
+    proxy: Proxy | None = None  # made at start-up, with the upstream session
+
+
+PARTS = web.AppKey("dprouter", Parts)
+
+
+def build_app(
+    config: RouterConfig,
+    *,
+    registry: Registry | None = None,
+    policy: Policy | None = None,
+    monitor: Monitor | None = None,
+) -> web.Application:
+    config = validate(config)
+    if registry is None:
+        registry = Registry(dp_aware=config.dp_aware != "off")
+        for spec in config.workers:
+            registry.add(worker_from_spec(spec, registry))
+    parts = Parts(
+        config=config,
+        registry=registry,
+        policy=policy or make_policy(config.policy_name, config.policy_options()),
+        monitor=monitor or Monitor(registry, MonitorOptions()),
+        metrics=RouterMetrics(registry),
+    )
+    app = web.Application(client_max_size=config.max_body)
+    app[PARTS] = parts
+    app.cleanup_ctx.append(_lifecycle)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        assert parts.proxy is not None
+        return await parts.proxy.handle(request, "completion")
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        assert parts.proxy is not None
+        return await parts.proxy.handle(request, "chat")
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        assert parts.proxy is not None
+        return await parts.proxy.handle(request, "generate")
+
+    async def models(_: web.Request) -> web.Response:
+        cards = [
+            {"id": m, "object": "model", "owned_by": "dprouter"}
+            for m in parts.registry.snapshot.models()
+        ]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readiness(_: web.Request) -> web.Response:
+        if parts.registry.snapshot.workers:
+            return web.json_response({"status": "ready"})
+        return error(503, "no worker is ready yet", "ServiceUnavailableError")
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(parts.metrics.prom)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.add_routes(
+        [
+            web.post("/v1/completions", completions),
+            web.post("/v1/chat/completions", chat),
+            web.post("/generate", generate),
+            web.get("/v1/models", models),
+            web.get("/health", health),
+            web.get("/readiness", readiness),
+            web.get("/metrics", metrics),
+            *admin_routes(config.admin_token, registry, parts.monitor),
+        ]
+    )
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    parts = app[PARTS]
+    config = parts.config
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout)
+    session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    parts.proxy = Proxy(config, parts.registry, parts.policy, parts.metrics, session)
+    await parts.monitor.start()
+    try:
+        yield
+    finally:
+        await parts.monitor.stop()
+        await session.close()
+
+
+class Router:
+    """A router listening on loopback (or wherever the config says), in this process."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        registry: Registry | None = None,
+        policy: Policy | None = None,
+        monitor: Monitor | None = None,
+    ) -> None:
+        self.app = build_app(config, registry=registry, policy=policy, monitor=monitor)
+        self.parts = self.app[PARTS]
+        self.config = self.parts.config
+        self.port = self.config.port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return url_of(self.config.host, self.port)
+
+    @property
+    def registry(self) -> Registry:
+        return self.parts.registry
+
+    @property
+    def monitor(self) -> Monitor:
+        return self.parts.monitor
+
+    async def start(self) -> None:
+        for warning in (*self.config.warnings, check_backlog(self.config.backlog)):
+            if warning:
+                log.warning(warning)
+        sock = bind(self.config.host, self.port, self.config.backlog)
+        self.port = sock.getsockname()[1]
+        # a client that leaves cancels its handler, which closes the upstream request
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        )
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def settled(self, seconds: float) -> bool:
+        """Wait for discovery of every worker; False if some are still discovering."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self.monitor.settled()
+        except TimeoutError:
+            return False
+        return True
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

@@ -1,0 +1,155 @@
+"""Router configuration, read once and validated in one place.
+
+``validate`` is the single step where defaults follow from each other and
+contradictions fail with a message that says what to change:
+- DP-aware routing is on unless turned off (``auto``: ranks are targets
+  whenever an engine runs DP); turning it off is allowed but warns loudly;
+- a session setup (routing keys) with no policy named means ``manual`` with
+  ``min_load`` assignment;
+- options that only make sense with another option are rejected without it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from dprouter.policies import POLICIES, PolicyOptions
+from dprouter.targets import ROLES, DialectName, Role, normalise_url
+
+DpAware = Literal["auto", "on", "off"]
+
+
+class ConfigError(ValueError):
+    """The configuration cannot work; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    url: str
+    id: str | None = None
+    role: Role = "regular"
+    dialect: DialectName | None = None
+    dp_size: int | None = None
+    rank_offset: int | None = None
+    model: str | None = None
+    bootstrap_port: int | None = None
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: tuple[WorkerSpec, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policy: str | None = None  # None: chosen by validate()
+    assignment: str | None = None  # manual's assignment mode
+    sessions: bool = False  # clients send routing keys: sticky sessions wanted
+    dp_aware: DpAware = "auto"
+    trust_client_rank: bool = False
+    seed: int = 0
+    key_ttl: float = 3600.0
+    max_body: int = 32 << 20
+    backlog: int = 4096
+    attempts: int = 3  # tries per request before the first byte, each on another target
+    upstream_keepalive: float = 3.0  # below the engines' own (uvicorn: 5 s)
+    connect_timeout: float = 5.0
+    startup_timeout: float = 10.0  # serve waits this long for discovery before listening
+    admin_token: str | None = None  # None: the admin API is off
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy or "round_robin"
+
+    def policy_options(self) -> PolicyOptions:
+        return PolicyOptions(
+            seed=self.seed,
+            assignment=self.assignment or "random",  # type: ignore[arg-type]
+            key_ttl=self.key_ttl,
+        )
+
+
+def validate(config: RouterConfig) -> RouterConfig:
+    warnings = list(config.warnings)
+    policy, assignment = config.policy, config.assignment
+    if policy is not None and policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if assignment is not None and assignment not in ("random", "min_load", "min_group"):
+        raise ConfigError(f"unknown assignment {assignment!r}; use random, min_load or min_group")
+    if config.sessions and policy is None:
+        policy, assignment = "manual", assignment or "min_load"  # the session-server default
+    if assignment is not None and policy is None:
+        policy = "manual"
+    if assignment is not None and policy != "manual":
+        raise ConfigError(
+            f"--assignment places new keys for --policy manual, not {policy}; "
+            "drop --assignment or use --policy manual"
+        )
+    if config.dp_aware == "off":
+        if policy == "min_tokens":
+            raise ConfigError(
+                "min_tokens balances the ranks of each engine: use --dp-aware auto, "
+                "or another policy"
+            )
+        warnings.append(
+            "DP-aware routing is OFF: requests name no rank and each engine's own balancer "
+            "places them, which can queue on one rank while others idle. Use --dp-aware auto."
+        )
+    if config.attempts < 1:
+        raise ConfigError("--attempts must be at least 1")
+    seen: dict[str, str] = {}
+    workers = []
+    for spec in config.workers:
+        try:
+            url = normalise_url(spec.url)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if url in seen:
+            raise ConfigError(f"worker {url} is listed twice")
+        seen[url] = url
+        if spec.role not in ROLES:
+            raise ConfigError(f"worker {url}: role must be one of {', '.join(ROLES)}")
+        if spec.dialect not in (None, "vllm", "sglang"):
+            raise ConfigError(f"worker {url}: dialect must be auto, vllm or sglang")
+        if spec.dp_size is not None and spec.dp_size < 1:
+            raise ConfigError(f"worker {url}: dp_size must be at least 1")
+        workers.append(replace(spec, url=url))
+    return replace(
+        config,
+        policy=policy,
+        assignment=assignment,
+        workers=tuple(workers),
+        warnings=tuple(warnings),
+    )
+
+
+def worker_from_mapping(raw: dict[str, Any]) -> WorkerSpec:
+    known = {f for f in WorkerSpec.__dataclass_fields__}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"unknown worker keys {sorted(unknown)}; known: {sorted(known)}")
+    if "url" not in raw:
+        raise ConfigError("every worker needs a url")
+    if raw.get("dialect") == "auto":
+        raw = {**raw, "dialect": None}
+    return WorkerSpec(**raw)
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    """A TOML file: top-level router options and ``[[workers]]`` tables."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    options = {k.replace("-", "_"): v for k, v in data.items() if k != "workers"}
+    known = set(RouterConfig.__dataclass_fields__) - {"workers", "warnings"}
+    unknown = set(options) - known
+    if unknown:
+        raise ConfigError(f"{path}: unknown options {sorted(unknown)}")
+    workers = data.get("workers", [])
+    if not isinstance(workers, list):
+        raise ConfigError(f"{path}: workers must be an array of tables ([[workers]])")
+    options["workers"] = tuple(worker_from_mapping(dict(w)) for w in workers)
+    return options

@@ -1,0 +1,148 @@
+"""Ask a worker what it is: dialect, DP ranks, DP attention, models; and its load.
+
+SGLang answers ``/server_info`` (older ``/get_server_info``) with ``dp_size``
+and ``enable_dp_attention``. vLLM has no such endpoint in production; its
+``/metrics`` series carry one ``engine`` label per DP rank, so the ranks are
+the distinct labels (a hybrid-LB endpoint shows only its local ranks, the
+lowest label being its offset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from dprouter.targets import DialectName, Worker
+
+
+class DiscoveryError(Exception):
+    """The worker answered, but not as an engine we can route to."""
+
+
+class Contradiction(DiscoveryError):
+    """The worker contradicts its configuration: never route to it as configured."""
+
+
+@dataclass(frozen=True)
+class Discovered:
+    dialect: DialectName
+    ranks: int | None  # None: the engine does not say
+    rank_offset: int
+    dp_attention: bool
+    models: tuple[str, ...]
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
+    async with session.get(url) as r:
+        return r.status, await r.read()
+
+
+async def server_info(session: aiohttp.ClientSession, base: str) -> dict[str, Any] | None:
+    for path in ("/server_info", "/get_server_info"):
+        status, body = await _get(session, base + path)
+        if status == 200:
+            info = orjson.loads(body)
+            if isinstance(info, dict) and "dp_size" in info:
+                return info
+    return None
+
+
+def engine_series(text: str) -> dict[str, dict[int, float]]:
+    """``{series: {engine label: value}}`` for vLLM's per-engine series."""
+    out: dict[str, dict[int, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("vllm:"):
+            continue
+        for s in family.samples:
+            label = s.labels.get("engine")
+            if label is not None and label.isdigit():
+                per = out.setdefault(s.name, {})
+                per[int(label)] = per.get(int(label), 0.0) + s.value
+    return out
+
+
+async def vllm_engines(session: aiohttp.ClientSession, base: str) -> list[int]:
+    status, body = await _get(session, base + "/metrics")
+    if status != 200:
+        return []
+    labels: set[int] = set()
+    for per in engine_series(body.decode()).values():
+        labels.update(per)
+    return sorted(labels)
+
+
+async def models(session: aiohttp.ClientSession, base: str) -> tuple[str, ...]:
+    try:
+        status, body = await _get(session, base + "/v1/models")
+        data = orjson.loads(body)["data"] if status == 200 else []
+        return tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return ()
+
+
+async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
+    """Raises ``DiscoveryError`` (try again later), ``Contradiction`` (give up),
+    or aiohttp / timeout errors (unreachable: try again later)."""
+    base = worker.url
+    if worker.dialect in (None, "sglang"):
+        info = await server_info(session, base)
+        if info is not None:
+            ranks = info.get("dp_size")
+            if not isinstance(ranks, int) or ranks < 1:
+                raise DiscoveryError(f"{base}/server_info reports dp_size {ranks!r}")
+            return _settle(
+                worker,
+                Discovered(
+                    "sglang",
+                    ranks,
+                    0,
+                    bool(info.get("enable_dp_attention")),
+                    await models(session, base),
+                ),
+            )
+        if worker.dialect == "sglang" and worker.dp_size is None:
+            raise DiscoveryError(f"{base} answers neither /server_info nor /get_server_info")
+    if worker.dialect in (None, "vllm"):
+        labels = await vllm_engines(session, base)
+        if labels:
+            if labels != list(range(labels[0], labels[0] + len(labels))):
+                raise Contradiction(f"{base}/metrics shows non-contiguous engine labels {labels}")
+            return _settle(
+                worker,
+                Discovered("vllm", len(labels), labels[0], False, await models(session, base)),
+            )
+    if worker.dialect is not None and worker.dp_size is not None:
+        # the engine says nothing about its ranks: the configuration stands alone
+        return _settle(
+            worker, Discovered(worker.dialect, None, 0, False, await models(session, base))
+        )
+    raise DiscoveryError(
+        f"{base} answers neither /server_info (SGLang) nor /metrics with vLLM engine labels; "
+        "set its dialect and dp_size explicitly"
+    )
+
+
+def _settle(worker: Worker, found: Discovered) -> Discovered:
+    if worker.dialect is not None and worker.dialect != found.dialect:
+        raise Contradiction(
+            f"{worker.url} is configured {worker.dialect} but answers as {found.dialect}"
+        )
+    if worker.dp_size is not None and found.ranks is not None and found.ranks != worker.dp_size:
+        raise Contradiction(
+            f"{worker.url} is configured with dp_size {worker.dp_size} but the engine reports "
+            f"{found.ranks} rank(s); fix dp_size (or drop it to use what the engine reports)"
+        )
+    return found
+
+
+def apply(worker: Worker, found: Discovered) -> None:
+    worker.dialect = found.dialect
+    worker.ranks = found.ranks or worker.dp_size or 1
+    if worker.rank_offset is None:
+        worker.rank_offset = found.rank_offset
+    worker.dp_attention = found.dp_attention
+    worker.models = found.models

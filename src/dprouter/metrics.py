@@ -1,0 +1,78 @@
+"""The router's own Prometheus series, in a registry of its own (two routers, two registries)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dprouter.registry import Registry
+
+TARGET = ["worker", "dp_rank"]
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _Live(Collector):
+    """Gauges read from the targets at scrape time."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        outstanding = GaugeMetricFamily(
+            "dprouter_outstanding", "Requests in flight per target.", labels=TARGET
+        )
+        reported = GaugeMetricFamily(
+            "dprouter_engine_load", "Running + waiting the engine last reported.", labels=TARGET
+        )
+        ready = GaugeMetricFamily(
+            "dprouter_worker_ready",
+            "1 when the worker is discovered and routable.",
+            labels=["worker"],
+        )
+        for w in self.registry.workers.values():
+            ready.add_metric([w.id], 1.0 if w.ready else 0.0)
+            for t in w.targets:
+                outstanding.add_metric([w.id, t.rank_label], t.outstanding)
+                reported.add_metric([w.id, t.rank_label], t.reported)
+        yield outstanding
+        yield reported
+        yield ready
+
+
+class RouterMetrics:
+    def __init__(self, registry: Registry) -> None:
+        self.prom = CollectorRegistry(auto_describe=False)
+        p = self.prom
+        self.requests = Counter(
+            "dprouter_requests",
+            "Requests answered, by target and HTTP status.",
+            [*TARGET, "status"],
+            registry=p,
+        )
+        self.errors = Counter(
+            "dprouter_upstream_errors",
+            "Failed attempts, by target and cause.",
+            [*TARGET, "cause"],
+            registry=p,
+        )
+        self.rejected = Counter(
+            "dprouter_rejected", "Requests refused before routing, by cause.", ["cause"], registry=p
+        )
+        self.duration = Histogram(
+            "dprouter_request_duration_seconds",
+            "Time from request to last byte, by target.",
+            TARGET,
+            buckets=LATENCY_BUCKETS,
+            registry=p,
+        )
+        self.first_byte = Histogram(
+            "dprouter_time_to_first_byte_seconds",
+            "Time from request to the first response byte (TTFT for streams), by target.",
+            TARGET,
+            buckets=LATENCY_BUCKETS,
+            registry=p,
+        )
+        p.register(_Live(registry))

@@ -1,0 +1,124 @@
+"""Background work on workers: discovery until each is ready, then load scraping.
+
+A worker gets no traffic until discovery settles its dialect and ranks; a
+worker that cannot be reached is retried with capped backoff, and one that
+contradicts its configuration is parked in the ``error`` state, loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+from dprouter import discovery, load
+from dprouter.registry import Registry
+from dprouter.targets import Worker
+
+log = logging.getLogger("dprouter.monitor")
+
+
+@dataclass(frozen=True)
+class MonitorOptions:
+    timeout: float = 2.0  # per probe or scrape request
+    retry_min: float = 0.2  # discovery backoff starts here...
+    retry_max: float = 5.0  # ...and doubles up to here
+    scrape_interval: float = 1.0  # engine-reported load; 0 turns scraping off
+
+
+class Monitor:
+    def __init__(self, registry: Registry, options: MonitorOptions | None = None) -> None:
+        self.registry = registry
+        self.options = options or MonitorOptions()
+        self._session: aiohttp.ClientSession | None = None
+        self._discovering: dict[str, asyncio.Task[None]] = {}
+        self._scraper: asyncio.Task[None] | None = None
+        self.changed = asyncio.Event()  # set whenever a worker settles
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=self.options.timeout)
+            self._session = aiohttp.ClientSession(timeout=timeout)
+        return self._session
+
+    async def start(self) -> None:
+        for worker in list(self.registry.workers.values()):
+            self.watch(worker)
+        if self.options.scrape_interval > 0:
+            self._scraper = asyncio.create_task(self._scrape_loop(), name="scrape")
+
+    async def stop(self) -> None:
+        tasks = [*self._discovering.values(), *([self._scraper] if self._scraper else [])]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._discovering.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def watch(self, worker: Worker) -> None:
+        """Discover ``worker`` in the background (again, if it was known)."""
+        self.forget(worker.id)
+        worker.state = "discovering"
+        task = asyncio.create_task(self._discover(worker), name=f"discover-{worker.id}")
+        self._discovering[worker.id] = task
+
+    def forget(self, worker_id: str) -> None:
+        task = self._discovering.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def settled(self, *workers: Worker) -> None:
+        """Return once none of ``workers`` (default: all) is still discovering.
+
+        Bound the wait with ``asyncio.timeout``."""
+        while True:
+            self.changed.clear()
+            watched = workers or tuple(self.registry.workers.values())
+            if not any(w.state == "discovering" for w in watched):
+                return
+            await self.changed.wait()
+
+    async def _discover(self, worker: Worker) -> None:
+        delay = self.options.retry_min
+        while True:
+            try:
+                found = await discovery.probe(self.session, worker)
+            except discovery.Contradiction as exc:
+                log.error("worker %s refused: %s", worker.id, exc)
+                self.registry.mark_error(worker, str(exc))
+                break
+            except (discovery.DiscoveryError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                worker.error = f"{type(exc).__name__}: {exc}"
+                log.warning("worker %s not ready (%s); retrying in %.1fs", worker.id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.options.retry_max)
+                continue
+            discovery.apply(worker, found)
+            self.registry.mark_ready(worker)
+            log.info(
+                "worker %s ready: %s, %d rank(s)%s",
+                worker.id,
+                worker.dialect,
+                worker.ranks,
+                ", DP attention" if worker.dp_attention else "",
+            )
+            break
+        self._discovering.pop(worker.id, None)
+        self.changed.set()
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.scrape_interval)
+            ready = [w for w in self.registry.workers.values() if w.ready]
+            await asyncio.gather(*(self._scrape(w) for w in ready))
+
+    async def _scrape(self, worker: Worker) -> None:
+        try:
+            load.assign(worker, await load.scrape(self.session, worker))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            log.debug("load of %s unavailable: %s", worker.id, exc)

@@ -1,0 +1,56 @@
+"""The policy protocol: pick one target from a snapshot, with no I/O."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from dprouter.targets import Target
+
+Assignment = Literal["random", "min_load", "min_group"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a policy may know about a request."""
+
+    key: str | None = None  # routing key (session), if the client sent one
+    text: str = ""  # prompt text, for prefix affinity
+    tokens: int = 0  # estimated prompt + output tokens
+    now: float = 0.0  # monotonic seconds, for expiring idle keys
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    seed: int = 0
+    assignment: Assignment = "random"  # manual: how a new key is placed
+    key_ttl: float = 3600.0  # manual: an idle key is forgotten after this many seconds
+    cache_threshold: float = 0.5  # cache_aware: least prefix share that keeps affinity
+    balance_abs: int = 32  # cache_aware: load gap that triggers balancing...
+    balance_rel: float = 1.5  # ...when the busiest also has this many times the least
+
+
+class Policy(Protocol):
+    name: str
+
+    def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
+        """``targets`` is never empty; return one of them."""
+        ...
+
+
+def least_loaded(targets: Sequence[Target], start: int = 0) -> Target:
+    """Fewest outstanding; ties go to the first from ``start`` (callers rotate it)."""
+    n = len(targets)
+    best = targets[start % n]
+    best_load = best.load
+    for i in range(1, n):
+        t = targets[(start + i) % n]
+        if t.load < best_load:
+            best, best_load = t, t.load
+    return best
+
+
+def make_rng(options: PolicyOptions) -> random.Random:
+    return random.Random(options.seed)

@@ -1,0 +1,79 @@
+"""``cache_aware``: send a prompt where its prefix was sent before, unless load says no.
+
+Each target keeps an LRU set of chained hashes of the 64-character blocks of
+prompts it was given (an approximation of the engine's prefix cache). The
+target matching the most leading blocks wins (ties: the less loaded) if the
+match covers at least ``cache_threshold`` of the prompt; otherwise the least
+loaded target does. When loads are imbalanced -- the busiest has more than
+``balance_abs`` outstanding over the idlest and more than ``balance_rel`` times
+its load -- affinity yields to the least loaded target.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from dprouter.policies.base import PolicyOptions, RequestInfo, least_loaded
+from dprouter.targets import Target
+
+BLOCK = 64  # characters per block
+CAPACITY = 16_384  # blocks remembered per target (~1 MB of prompt text)
+
+
+def text_blocks(text: str) -> list[int]:
+    hashes: list[int] = []
+    prev = 0
+    for start in range(0, max(len(text), 1), BLOCK):
+        prev = hash((prev, text[start : start + BLOCK]))
+        hashes.append(prev)
+    return hashes
+
+
+class CacheAware:
+    name = "cache_aware"
+
+    def __init__(self, options: PolicyOptions) -> None:
+        self.threshold = options.cache_threshold
+        self.balance_abs = options.balance_abs
+        self.balance_rel = options.balance_rel
+        self.seen: dict[str, OrderedDict[int, None]] = {}
+        self.start = 0
+
+    def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
+        self.start += 1
+        blocks = text_blocks(request.text)
+        loads = [t.load for t in targets]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            chosen = least_loaded(targets, self.start)
+        else:
+            chosen = self._best_match(targets, blocks) or least_loaded(targets, self.start)
+        self._remember(chosen, blocks)
+        return chosen
+
+    def _best_match(self, targets: Sequence[Target], blocks: list[int]) -> Target | None:
+        best: Target | None = None
+        best_n = 0
+        for t in targets:
+            seen = self.seen.get(t.label)
+            if not seen:
+                continue
+            n = 0
+            for h in blocks:
+                if h not in seen:
+                    break
+                n += 1
+            if n > best_n or (n == best_n and best is not None and t.load < best.load):
+                best, best_n = t, n
+        if best is None or best_n < self.threshold * len(blocks):
+            return None
+        return best
+
+    def _remember(self, target: Target, blocks: list[int]) -> None:
+        seen = self.seen.setdefault(target.label, OrderedDict())
+        for h in blocks:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > CAPACITY:
+            seen.popitem(last=False)

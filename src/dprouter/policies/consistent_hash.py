@@ -1,0 +1,48 @@
+"""``consistent_hash``: rendezvous hashing of the routing key over targets.
+
+Each target scores ``mix(hash(key) ^ hash(target))`` and the highest wins, so
+adding a target moves only the keys it now wins (about 1/n) and removing one
+moves only its own keys. Requests with no key are spread at random.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from dprouter.policies.base import PolicyOptions, RequestInfo, make_rng
+from dprouter.targets import Target
+
+MASK = (1 << 64) - 1
+
+
+def hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def mix(x: int) -> int:
+    """splitmix64 finaliser: spreads nearby inputs over the whole range."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+class ConsistentHash:
+    name = "consistent_hash"
+
+    def __init__(self, options: PolicyOptions) -> None:
+        self.rng = make_rng(options)
+        self._seeds: dict[str, int] = {}
+
+    def _seed(self, target: Target) -> int:
+        seed = self._seeds.get(target.label)
+        if seed is None:
+            seed = self._seeds[target.label] = hash64(target.label)
+        return seed
+
+    def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
+        if request.key is None:
+            return targets[self.rng.randrange(len(targets))]
+        k = hash64(request.key)
+        return max(targets, key=lambda t: mix(k ^ self._seed(t)))

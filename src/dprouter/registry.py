@@ -1,0 +1,112 @@
+"""The registry: workers by id, and an immutable snapshot of routable targets.
+
+The snapshot is rebuilt copy-on-write whenever membership, discovery or health
+changes; the request path only reads ``registry.snapshot`` (no lock, no
+filtering). Targets are ordered over the flat slot space, interleaved across
+workers -- w0r0, w1r0, w2r0, w0r1, w1r1, ... -- so a counter over the tuple
+covers every rank of every worker evenly, whatever each worker's dp size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dprouter.targets import DialectName, Role, Target, Worker
+
+
+def interleave(workers: Iterable[Worker]) -> tuple[Target, ...]:
+    columns = [w.targets for w in workers]
+    depth = max((len(c) for c in columns), default=0)
+    return tuple(c[r] for r in range(depth) for c in columns if r < len(c))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    workers: tuple[Worker, ...]  # ready and healthy, in registration order
+    _pools: dict[tuple[Role, str | None, DialectName | None], tuple[Target, ...]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def pool(
+        self, role: Role = "regular", model: str | None = None, dialect: DialectName | None = None
+    ) -> tuple[Target, ...]:
+        """Targets of one role serving ``model`` (any if None) in ``dialect`` (any if None)."""
+        key = (role, model, dialect)
+        found = self._pools.get(key)
+        if found is None:
+            chosen = [
+                w
+                for w in self.workers
+                if w.role == role
+                and (model is None or w.serves(model))
+                and (dialect is None or w.dialect == dialect)
+            ]
+            found = self._pools[key] = interleave(chosen)
+        return found
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for w in self.workers:
+            for m in w.models or ((w.model,) if w.model else ()):
+                seen.setdefault(m, None)
+        return list(seen)
+
+
+class Registry:
+    """Workers and their targets. ``dp_aware`` False gives each worker one
+    target with no rank: the engine's own balancer then places the request."""
+
+    def __init__(self, dp_aware: bool = True) -> None:
+        self.dp_aware = dp_aware
+        self.workers: dict[str, Worker] = {}
+        self.snapshot = Snapshot(0, ())
+        self._version = 0
+
+    def add(self, worker: Worker) -> Worker:
+        if worker.id in self.workers:
+            raise ValueError(f"worker id {worker.id!r} already registered")
+        clash = next((w for w in self.workers.values() if w.url == worker.url), None)
+        if clash is not None:
+            raise ValueError(f"worker {worker.url} already registered as {clash.id!r}")
+        self.workers[worker.id] = worker
+        self.rebuild()
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        worker = self.workers.pop(worker_id)
+        worker.targets = []  # every rank of the worker leaves with it
+        self.rebuild()
+        return worker
+
+    def next_id(self, role: Role = "regular") -> str:
+        prefix = {"regular": "w", "prefill": "p", "decode": "d"}[role]
+        n = 0
+        while f"{prefix}{n}" in self.workers:
+            n += 1
+        return f"{prefix}{n}"
+
+    def mark_ready(self, worker: Worker) -> None:
+        """Discovery (or configuration) settled ``worker.ranks``: give it targets."""
+        wanted: list[int | None] = [None]
+        if self.dp_aware and worker.ranks > 1:
+            wanted = list(range(worker.ranks))
+        have = {t.rank: t for t in worker.targets}  # keep live targets and their counts
+        worker.targets = [have.get(r) or Target(worker, r) for r in wanted]
+        worker.state = "ready"
+        worker.error = None
+        self.rebuild()
+
+    def mark_error(self, worker: Worker, error: str) -> None:
+        worker.state = "error"
+        worker.error = error
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        self._version += 1
+        ready = tuple(w for w in self.workers.values() if w.ready and w.targets)
+        self.snapshot = Snapshot(self._version, ready)
+
+    def targets(self) -> list[Target]:
+        return [t for w in self.workers.values() for t in w.targets]
