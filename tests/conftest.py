@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, Protocol
 
 import aiohttp
 import pytest
 
+from dprouter.app import Router
+from dprouter.config import RouterConfig, WorkerSpec
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig
 
@@ -51,3 +54,28 @@ async def background(*coros: Coroutine[Any, Any, Any]) -> AsyncIterator[None]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class StartRouter(Protocol):
+    async def __call__(self, config: RouterConfig, settle: bool = True) -> Router: ...
+
+
+@pytest.fixture
+async def start_router() -> AsyncIterator[StartRouter]:
+    started: list[Router] = []
+
+    async def start(config: RouterConfig, settle: bool = True) -> Router:
+        router = Router(replace(config, port=0))
+        await router.start()
+        started.append(router)
+        if settle:
+            assert await router.settled(10), "discovery did not settle"
+        return router
+
+    yield start
+    for router in started:
+        await router.stop()
+
+
+def workers(*urls: str, **keys: object) -> tuple[WorkerSpec, ...]:
+    return tuple(WorkerSpec(url, **keys) for url in urls)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import sys
 import aiohttp
 
 import dprouter
+from dprouter.sim.config import EngineConfig
+from tests.conftest import StartCluster
 
 
 def test_public_names() -> None:
@@ -77,3 +80,76 @@ def test_bad_options_fail_with_a_message() -> None:
     )
     assert result.returncode == 2
     assert "the vllm persona dispatches by load score" in result.stderr
+
+
+async def _serve(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "dprouter",
+        "serve",
+        "--port",
+        "0",
+        *args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+async def test_serve_routes_and_stops_on_sigterm(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=2), EngineConfig(dp_size=2)])
+    proc = await _serve(*(a for u in cluster.urls for a in ("--worker", u)))
+    try:
+        assert proc.stderr is not None
+        line = ""
+        while "dprouter on" not in line:
+            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+            assert line, "serve exited early"
+        found = re.search(r"dprouter on (http://\S+): policy", line)
+        assert found is not None, line
+        base = found.group(1)
+        assert "4 target(s)" in line
+        ranks = set()
+        for _ in range(4):
+            async with http.post(base + "/v1/completions", json={"prompt": "hi"}) as r:
+                ranks.add((r.headers["x-sim-engine"], r.headers["x-sim-dp-rank"]))
+        assert len(ranks) == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 30)
+    assert code == 0
+
+
+async def test_serve_refuses_a_misconfigured_dp_size(start_cluster: StartCluster) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    proc = await _serve("--worker", f"{engine.url},dp_size=4")
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1
+    assert b"configured with dp_size 4 but the engine reports 2 rank(s)" in err
+    assert b"refusing to start with misconfigured workers" in err
+
+
+def test_serve_rejects_contradictory_options() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dprouter",
+            "serve",
+            "--worker",
+            "http://127.0.0.1:1",
+            "--policy",
+            "round_robin",
+            "--assignment",
+            "min_load",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 2
+    assert "drop --assignment or use --policy manual" in result.stderr

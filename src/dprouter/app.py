@@ -57,7 +57,7 @@ def build_app(
         config=config,
         registry=registry,
         policy=policy or make_policy(config.policy_name, config.policy_options()),
-        monitor=monitor or Monitor(registry, MonitorOptions()),
+        monitor=monitor or Monitor(registry, MonitorOptions(scrape_interval=config.load_interval)),
         metrics=RouterMetrics(registry),
     )
     app = web.Application(client_max_size=config.max_body)

@@ -8,6 +8,7 @@ import signal
 import click
 
 from dprouter.demo import demo
+from dprouter.serve import serve
 from dprouter.sim.cluster import SimCluster, fleet
 from dprouter.sim.config import SGLANG_DISPATCH, CostModel, EngineConfig, Faults, RankLimits
 
@@ -134,3 +135,4 @@ async def _serve_cluster(configs: list[EngineConfig], host: str, port: int) -> N
 
 
 main.add_command(demo)
+main.add_command(serve)

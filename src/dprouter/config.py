@@ -55,6 +55,7 @@ class RouterConfig:
     attempts: int = 3  # tries per request before the first byte, each on another target
     upstream_keepalive: float = 3.0  # below the engines' own (uvicorn: 5 s)
     connect_timeout: float = 5.0
+    load_interval: float = 1.0  # seconds between scrapes of engine-reported load; 0: off
     startup_timeout: float = 10.0  # serve waits this long for discovery before listening
     admin_token: str | None = None  # None: the admin API is off
     warnings: tuple[str, ...] = field(default=(), compare=False)

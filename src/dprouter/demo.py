@@ -1,23 +1,27 @@
-"""``dprouter demo``: the simulated cluster, and what each engine does with a burst."""
+"""``dprouter demo``: a simulated cluster, the router in front, a short load, a table.
+
+The same load runs twice through two routers in this process: DP-aware (the
+default) and with ``--dp-aware off``, where each engine's own balancer picks
+the rank. The table shows every rank used in the first run and what the
+engines do on their own in the second.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
-from dataclasses import dataclass
+import statistics
+import time
+from collections import Counter, defaultdict
 
 import aiohttp
 import click
 
+from dprouter.app import Router
+from dprouter.config import RouterConfig, WorkerSpec
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig
-from dprouter.sim.server import SimServer
 
-
-@dataclass(frozen=True)
-class Slot:
-    server: SimServer
-    rank: int
+Key = tuple[str, int]  # (engine id, rank) as the engine reports it
 
 
 def demo_cluster() -> list[EngineConfig]:
@@ -26,74 +30,69 @@ def demo_cluster() -> list[EngineConfig]:
     return [vllm, vllm, sglang]
 
 
-def pin(slot: Slot, body: dict[str, object]) -> tuple[dict[str, str], dict[str, object]]:
-    if slot.server.config.persona == "vllm":
-        return {"X-data-parallel-rank": str(slot.rank)}, body
-    return {}, {**body, "routed_dp_rank": slot.rank}
+async def drive(url: str, requests: int, concurrency: int) -> dict[Key, list[float]]:
+    """Streamed completions; returns the client-side TTFT of each, by engine rank."""
+    ttft: dict[Key, list[float]] = defaultdict(list)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(session: aiohttp.ClientSession, n: int) -> None:
+        body = {"model": "demo", "prompt": f"demo request {n}", "max_tokens": 24, "stream": True}
+        async with gate:
+            t0 = time.perf_counter()
+            async with session.post(url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                await r.content.readuntil(b"\n\n")
+                first = time.perf_counter() - t0
+                await r.read()
+                ttft[(r.headers["x-sim-engine"], int(r.headers["x-sim-dp-rank"]))].append(first)
+
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(one(session, n) for n in range(requests)))
+    return ttft
 
 
-async def _send(
-    session: aiohttp.ClientSession, server: SimServer, n: int, slot: Slot | None
-) -> None:
-    body: dict[str, object] = {"model": "demo", "prompt": f"demo request {n}", "max_tokens": 32}
-    headers: dict[str, str] = {}
-    if slot is not None:
-        headers, body = pin(slot, body)
-    async with session.post(server.url + "/v1/completions", json=body, headers=headers) as r:
-        r.raise_for_status()
-        await r.read()
-
-
-async def _burst(cluster: SimCluster, per_engine: int, pinned: bool) -> Counter[tuple[str, int]]:
-    slots = [Slot(s, r) for r in range(8) for s in cluster.servers if r < s.config.dp_size]
-    for s in cluster.servers:
-        s.received.clear()
-    async with aiohttp.ClientSession() as session:
-        jobs = []
-        for n in range(per_engine * len(cluster)):
-            if pinned:
-                slot = slots[n % len(slots)]
-                jobs.append(_send(session, slot.server, n, slot))
-            else:
-                jobs.append(_send(session, cluster[n % len(cluster)], n, None))
-        await asyncio.gather(*jobs)
-    return Counter(
-        (s.engine_id, rec.rank)
-        for s in cluster.servers
-        for rec in s.received
-        if rec.rank is not None
-    )
-
-
-async def run_demo(per_engine: int) -> None:
+async def run_demo(requests: int, concurrency: int) -> None:
     async with SimCluster(demo_cluster(), prefix="sim") as cluster:
         for s in cluster.servers:
             c = s.config
-            extra = " dp_attention" if c.dp_attention else ""
-            click.echo(f"{s.engine_id}: {c.persona} dp_size={c.dp_size}{extra} at {s.url}")
-        own = await _burst(cluster, per_engine, pinned=False)
-        flat = await _burst(cluster, per_engine, pinned=True)
-    click.echo(f"\n{'target':<14}{'engine picks':>14}{'flat slots':>12}")
+            extra = " with DP attention" if c.dp_attention else ""
+            click.echo(f"{s.engine_id}: {c.persona} engine, dp_size={c.dp_size}{extra}, {s.url}")
+        workers = tuple(WorkerSpec(u) for u in cluster.urls)
+        runs: dict[str, dict[Key, list[float]]] = {}
+        outstanding = 0
+        for mode in ("auto", "off"):
+            config = RouterConfig(workers=workers, port=0, dp_aware=mode)
+            async with Router(config) as router:
+                await router.settled(10)
+                runs[mode] = await drive(router.url, requests, concurrency)
+                outstanding += sum(t.outstanding for t in router.registry.targets())
+    aware, off = runs["auto"], runs["off"]
+    click.echo(f"\n{requests} streamed requests, {concurrency} at a time, round_robin\n")
+    click.echo(
+        f"{'target':<12}{'DP-aware':>10}{'TTFT p50':>11}{'engines pick':>14}{'TTFT p50':>11}"
+    )
+    total = 0
     for s in cluster.servers:
         for r in range(s.config.dp_size):
-            key = (s.engine_id, r)
-            click.echo(f"{s.engine_id + ' r' + str(r):<14}{own[key]:>14}{flat[key]:>12}")
-    used_own = sum(1 for v in own.values() if v)
-    total = sum(s.config.dp_size for s in cluster.servers)
+            key, total = (s.engine_id, r), total + 1
+            a, o = aware.get(key, []), off.get(key, [])
+            click.echo(f"{s.engine_id} r{r:<6}{len(a):>10}{_ms(a):>11}{len(o):>14}{_ms(o):>11}")
+    used = Counter({"DP-aware": len(aware), "engines pick": len(off)})
     click.echo(
-        f"\nranks used: engine picks {used_own}/{total}, flat slots "
-        f"{sum(1 for v in flat.values() if v)}/{total}"
+        f"\nranks used: DP-aware {used['DP-aware']}/{total}, "
+        f"engines pick {used['engines pick']}/{total}; "
+        f"outstanding after the runs: {outstanding}"
     )
 
 
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.0f} ms" if values else "-"
+
+
 @click.command()
-@click.option(
-    "--requests-per-engine",
-    "per_engine",
-    type=click.IntRange(1, 2000),
-    default=40,
-    show_default=True,
-)
-def demo(per_engine: int) -> None:
-    """Start a simulated cluster on loopback and show how a burst lands on its ranks."""
-    asyncio.run(run_demo(per_engine))
+@click.option("--requests", type=click.IntRange(1, 5000), default=240, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 512), default=24, show_default=True)
+def demo(requests: int, concurrency: int) -> None:
+    """Simulated cluster on loopback with the router in front: every rank used."""
+    asyncio.run(run_demo(requests, concurrency))

@@ -1,0 +1,165 @@
+"""``dprouter serve``: the command line over ``RouterConfig`` and ``Router``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dprouter.app import Router
+from dprouter.config import (
+    ConfigError,
+    RouterConfig,
+    WorkerSpec,
+    load_file,
+    validate,
+    worker_from_mapping,
+)
+from dprouter.policies import POLICIES
+
+log = logging.getLogger("dprouter")
+INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port")
+
+
+def parse_worker(text: str) -> WorkerSpec:
+    """``URL[,key=value...]``, e.g. ``http://[::1]:8000,dialect=vllm,dp_size=8``."""
+    url, *pairs = text.split(",")
+    raw: dict[str, Any] = {"url": url}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--worker {text!r}: expected key=value after the URL, got {pair!r}")
+        key = key.strip().replace("-", "_")
+        try:
+            raw[key] = int(value) if key in INT_KEYS else value
+        except ValueError:
+            raise ConfigError(f"--worker {text!r}: {key} must be an integer") from None
+    return worker_from_mapping(raw)
+
+
+def make_config(
+    ctx: click.Context, config_file: Path | None, workers: tuple[str, ...], options: dict[str, Any]
+) -> RouterConfig:
+    """File values first; options given on the command line override them."""
+    values: dict[str, Any] = load_file(config_file) if config_file else {}
+    for name, value in options.items():
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            values[name] = value
+        else:
+            values.setdefault(name, value)
+    values["workers"] = (*values.get("workers", ()), *(parse_worker(w) for w in workers))
+    return validate(RouterConfig(**values))
+
+
+@click.command()
+@click.option(
+    "--worker",
+    "workers",
+    multiple=True,
+    metavar="URL[,key=value...]",
+    help="An engine endpoint; keys: id, dialect, dp_size, role, model, rank_offset.",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, path_type=Path),
+    help="TOML file with router options and [[workers]] tables.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option(
+    "--policy",
+    type=click.Choice(list(POLICIES)),
+    default=None,
+    help="Default round_robin (manual with --sessions).",
+)
+@click.option(
+    "--assignment",
+    type=click.Choice(["random", "min_load", "min_group"]),
+    default=None,
+    help="How manual places a new routing key.",
+)
+@click.option("--sessions", is_flag=True, help="Clients send routing keys: keep them sticky.")
+@click.option(
+    "--dp-aware",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Route to ranks of DP engines (off: engines pick).",
+)
+@click.option("--trust-client-rank", is_flag=True, help="Keep rank headers/fields clients send.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--key-ttl", type=click.FloatRange(min=0), default=3600.0, show_default=True)
+@click.option("--max-body", type=click.IntRange(min=1), default=32 << 20, show_default=True)
+@click.option("--backlog", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--attempts", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--load-interval",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Seconds between scrapes of engine-reported load (0: off).",
+)
+@click.option("--startup-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True)
+@click.option(
+    "--admin-token",
+    envvar="DPROUTER_ADMIN_TOKEN",
+    default=None,
+    help="Enables /workers; also read from DPROUTER_ADMIN_TOKEN.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+@click.pass_context
+def serve(
+    ctx: click.Context,
+    /,
+    workers: tuple[str, ...],
+    config_file: Path | None,
+    log_level: str,
+    **options: Any,
+) -> None:
+    """Route requests to every (worker, dp_rank) target of vLLM and SGLang engines."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        config = make_config(ctx, config_file, workers, options)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    except TypeError as exc:
+        raise click.UsageError(f"bad option in the configuration: {exc}") from None
+    if not config.workers and not config.admin_token:
+        raise click.UsageError("no --worker given and no --admin-token to add workers later")
+    asyncio.run(run(config))
+
+
+async def run(config: RouterConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    router = Router(config)
+    try:
+        await router.start()
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {exc}") from None
+    try:
+        if not await router.settled(config.startup_timeout):
+            waiting = [w.id for w in router.registry.workers.values() if w.state == "discovering"]
+            log.warning("still discovering %s; they get traffic once they answer", waiting)
+        refused = [w for w in router.registry.workers.values() if w.state == "error"]
+        if refused:
+            for w in refused:
+                log.error("worker %s (%s): %s", w.id, w.url, w.error)
+            raise click.ClickException("refusing to start with misconfigured workers (see above)")
+        targets = len(router.registry.snapshot.pool())
+        log.info("dprouter on %s: policy %s, %d target(s)", router.url, config.policy_name, targets)
+        await stop.wait()
+    finally:
+        await router.stop()

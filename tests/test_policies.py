@@ -1,0 +1,163 @@
+"""Policies are pure: literal targets, seeded randomness, exact expectations."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from dprouter.policies import POLICIES, PolicyOptions, RequestInfo, make_policy
+from dprouter.registry import Registry
+from dprouter.targets import Outstanding, Target, Worker
+
+
+def fleet(*dp_sizes: int) -> tuple[Registry, tuple[Target, ...]]:
+    registry = Registry()
+    for i, dp in enumerate(dp_sizes):
+        w = registry.add(Worker(id=f"w{i}", url=f"http://127.0.0.1:{9000 + i}", dialect="vllm"))
+        w.ranks = dp
+        registry.mark_ready(w)
+    return registry, registry.snapshot.pool()
+
+
+def labels(targets: list[Target]) -> list[str]:
+    return [t.label for t in targets]
+
+
+NO_KEY = RequestInfo()
+
+
+def test_round_robin_walks_the_flat_slot_space_interleaved() -> None:
+    _, targets = fleet(2, 2)
+    rr = make_policy("round_robin")
+    picks = [rr.select(targets, NO_KEY) for _ in range(6)]
+    assert labels(picks) == ["w0/0", "w1/0", "w0/1", "w1/1", "w0/0", "w1/0"]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1,), (1, 1), (1, 1, 1, 1), (8,), (8, 8), (8, 8, 8), (2, 8), (1, 4, 2), (8, 1)],
+    ids=str,
+)
+def test_round_robin_covers_every_slot_exactly_evenly(shape: tuple[int, ...]) -> None:
+    _, targets = fleet(*shape)
+    total = sum(shape)
+    assert len(targets) == total  # a dp-1 worker is one target with no rank
+    rr = make_policy("round_robin")
+    counts = Counter(rr.select(targets, NO_KEY).label for _ in range(3 * total))
+    assert len(counts) == total
+    assert set(counts.values()) == {3}
+    first_cycle = [rr.select(targets, NO_KEY) for _ in range(total)]
+    assert len(set(first_cycle)) == total  # each cycle touches every target once
+
+
+def test_random_is_seeded() -> None:
+    _, targets = fleet(4, 4)
+    a = make_policy("random", PolicyOptions(seed=7))
+    b = make_policy("random", PolicyOptions(seed=7))
+    assert labels([a.select(targets, NO_KEY) for _ in range(20)]) == labels(
+        [b.select(targets, NO_KEY) for _ in range(20)]
+    )
+
+
+def test_least_load_takes_the_idlest_and_rotates_ties() -> None:
+    _, targets = fleet(2, 2)
+    targets[0].outstanding = 3
+    targets[1].reported = 5  # the engine knows of more work than the router sent
+    targets[2].outstanding = 1
+    ll = make_policy("least_load")
+    assert ll.select(targets, NO_KEY) is targets[3]
+    targets[3].outstanding = 1
+    picks = {ll.select(targets, NO_KEY).label for _ in range(4)}
+    assert picks == {"w0/1", "w1/1"}  # equal loads take turns
+
+
+def test_power_of_two_never_picks_the_busier_of_two() -> None:
+    _, targets = fleet(2)
+    targets[0].outstanding = 10
+    p2 = make_policy("power_of_two", PolicyOptions(seed=1))
+    assert {p2.select(targets, NO_KEY).label for _ in range(20)} == {"w0/1"}
+
+
+def test_consistent_hash_keeps_keys_and_moves_about_one_in_n() -> None:
+    registry, before = fleet(4, 4)
+    ch = make_policy("consistent_hash")
+    keys = [f"session-{i}" for i in range(2000)]
+    first = {k: ch.select(before, RequestInfo(key=k)).label for k in keys}
+    assert all(ch.select(before, RequestInfo(key=k)).label == v for k, v in first.items())
+    extra = registry.add(Worker(id="w2", url="http://127.0.0.1:9100", dialect="vllm"))
+    extra.ranks = 1
+    registry.mark_ready(extra)
+    after = registry.snapshot.pool()
+    moved = [k for k in keys if ch.select(after, RequestInfo(key=k)).label != first[k]]
+    assert all(ch.select(after, RequestInfo(key=k)).label == "w2" for k in moved)
+    assert 0.5 / 9 < len(moved) / len(keys) < 1.5 / 9  # about 1/n of the keys, n = 9
+
+
+def test_manual_sticks_and_remaps_only_when_the_target_leaves() -> None:
+    registry, targets = fleet(2, 2)
+    manual = make_policy("manual", PolicyOptions(assignment="min_load"))
+    first = manual.select(targets, RequestInfo(key="a", now=0.0))
+    with Outstanding(first, 100):  # load elsewhere does not move a stuck key
+        assert manual.select(targets, RequestInfo(key="a", now=1.0)) is first
+        other = manual.select(targets, RequestInfo(key="b", now=1.0))
+        assert other is not first  # min_load places a new key on an idle target
+    registry.remove(first.worker.id)
+    moved = manual.select(registry.snapshot.pool(), RequestInfo(key="a", now=2.0))
+    assert moved.worker.id != first.worker.id
+    assert manual.select(registry.snapshot.pool(), RequestInfo(key="a", now=3.0)) is moved
+
+
+def test_manual_forgets_keys_idle_past_their_ttl() -> None:
+    _, targets = fleet(2)
+    manual = make_policy("manual", PolicyOptions(assignment="min_load", key_ttl=10))
+    home = manual.select(targets, RequestInfo(key="a", now=0.0))
+    with Outstanding(home, 10):
+        assert manual.select(targets, RequestInfo(key="a", now=9.0)) is home  # still sticky
+        assert manual.select(targets, RequestInfo(key="a", now=30.0)) is not home  # placed anew
+
+
+def test_manual_min_group_spreads_keys_evenly() -> None:
+    _, targets = fleet(4, 4)
+    manual = make_policy("manual", PolicyOptions(assignment="min_group"))
+    placed = Counter(manual.select(targets, RequestInfo(key=f"k{i}")).label for i in range(24))
+    assert set(placed.values()) == {3}
+
+
+def test_cache_aware_follows_the_prefix_until_load_says_no() -> None:
+    _, targets = fleet(2, 2)
+    ca = make_policy("cache_aware")
+    system = "You are a careful assistant. " * 20
+    home = ca.select(targets, RequestInfo(text=system + "question one"))
+    assert ca.select(targets, RequestInfo(text=system + "question two")) is home
+    fresh = ca.select(targets, RequestInfo(text="an unrelated prompt " * 10))
+    assert fresh is not home  # no affinity: the least loaded (ties rotate)
+    home.outstanding = 40  # > 32 above the idlest and > 1.5x: affinity yields
+    assert ca.select(targets, RequestInfo(text=system + "question three")) is not home
+
+
+def test_min_tokens_balances_tokens_across_ranks() -> None:
+    _, targets = fleet(4)
+    mt = make_policy("min_tokens")
+    guards = []
+    for tokens in (1000, 10, 10, 10, 10, 10, 10):
+        t = mt.select(targets, RequestInfo(tokens=tokens))
+        guards.append(Outstanding(t, tokens))
+        guards[-1].__enter__()
+    loads = sorted(t.outstanding_tokens for t in targets)
+    assert loads == [20, 20, 20, 1000]  # the long request's rank gets nothing more
+
+
+def test_registry_names_every_policy() -> None:
+    assert list(POLICIES) == [
+        "round_robin",
+        "random",
+        "least_load",
+        "power_of_two",
+        "consistent_hash",
+        "manual",
+        "cache_aware",
+        "min_tokens",
+    ]
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        make_policy("nope")

@@ -1,0 +1,230 @@
+"""Passing requests through: streams, disconnects, failures, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from dprouter.config import RouterConfig
+from dprouter.net import bind, url_of
+from dprouter.sim.config import EngineConfig, Faults
+from tests.conftest import StartCluster, StartRouter, workers
+from tests.test_sim_vllm import sse_events
+
+PROMPT = {"prompt": "pass me through", "max_tokens": 3}
+# an upstream that splits SSE lines at odd places: the client must get the same bytes
+PIECES = [b"da", b'ta: {"x": 1}\n', b"\ndata: {", b'"x": 2}\n\ndata: [DONE]\n\n']
+
+
+@pytest.fixture
+async def odd_upstream() -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """A plain aiohttp server speaking SSE in uneven pieces, the second held back
+    until the test has seen the first arrive through the router."""
+    release = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Up": "yes"})
+        await resp.prepare(request)
+        await resp.write(PIECES[0])
+        await release.wait()
+        for piece in PIECES[1:]:
+            await resp.write(piece)
+            await asyncio.sleep(0.01)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = bind("127.0.0.1", 0)
+    await web.SockSite(runner, sock).start()
+    yield url_of("127.0.0.1", sock.getsockname()[1]), release
+    await runner.cleanup()
+
+
+async def test_sse_passes_through_byte_exact_and_unbuffered(
+    odd_upstream: tuple[str, asyncio.Event],
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    url, release = odd_upstream
+    router = await start_router(RouterConfig(workers=workers(url, dialect="vllm", dp_size=1)))
+    async with http.post(router.url + "/v1/completions", json={**PROMPT, "stream": True}) as r:
+        assert r.headers["X-Up"] == "yes" and r.headers["x-dprouter-target"] == "w0"
+        first = await asyncio.wait_for(r.content.read(2), 5)  # arrives before the rest exists
+        release.set()
+        rest = await r.read()
+    assert first + rest == b"".join(PIECES)
+
+
+async def test_client_disconnect_cancels_the_engine_request(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    body = {"prompt": "a long story", "max_tokens": 5000, "stream": True}
+    resp = await http.post(router.url + "/v1/completions", json=body)
+    await resp.content.readuntil(b"\n\n")
+    rank = engine.engine.ranks[int(resp.headers["x-sim-dp-rank"])]
+    target = next(t for t in router.registry.targets() if t.outstanding)
+    assert rank.num_running == 1
+    resp.close()
+    for _ in range(200):
+        if rank.num_running == 0 and target.outstanding == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (rank.num_running, rank.stats.aborted, target.outstanding) == (0, 1, 0)
+    assert rank.stats.generation_tokens < 5000
+
+
+async def test_failed_attempts_are_retried_on_another_target(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    broken, good = (
+        await start_cluster(
+            [
+                EngineConfig(faults=Faults(fail_rate=1.0)),
+                EngineConfig(),
+            ]
+        )
+    ).servers
+    router = await start_router(RouterConfig(workers=workers(broken.url, good.url)))
+    for _ in range(4):  # round robin sends each request to the broken one first
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200
+            assert r.headers["x-sim-engine"] == good.engine_id
+    async with http.get(router.url + "/metrics") as r:
+        text = await r.text()
+    assert 'dprouter_upstream_errors_total{cause="status_500",dp_rank="",worker="w0"} 4.0' in text
+    await good.crash()  # now nothing answers: a clear 502, and the router keeps serving
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 502
+        assert "every attempt failed" in (await r.json())["error"]["message"]
+    async with http.get(router.url + "/health") as r:
+        assert r.status == 200
+
+
+async def test_a_stream_cut_by_the_engine_ends_with_an_error_event(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    body = {"prompt": "cut", "max_tokens": 5000, "stream": True}
+    async with http.post(router.url + "/v1/completions", json=body) as r:
+        await r.content.readuntil(b"\n\n")
+        await engine.crash()
+        events = sse_events(await r.read())
+    assert b"closed the stream before it finished" in events[-2]
+    assert events[-1] == b"[DONE]"
+    assert all(t.outstanding == 0 for t in router.registry.targets())
+
+
+async def test_bad_input_gets_clear_errors(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url), max_body=4096))
+    url = router.url + "/v1/completions"
+    cases: list[tuple[bytes, dict[str, str], int, str]] = [
+        (b"{oops", {}, 400, "Invalid JSON body"),
+        (b'"text"', {}, 400, "must be a JSON object"),
+        (b'{"prompt": "x", "stream": "yes"}', {}, 400, "stream must be true or false"),
+        (b'{"prompt": "x", "max_tokens": "9"}', {}, 400, "max_tokens must be an integer"),
+        (b'{"prompt": "x", "max_tokens": -1}', {}, 400, "max_tokens must be at least 1"),
+        (b'{"prompt": 5}', {}, 400, "prompt must be a non-empty string or list"),
+        (b'{"prompt": "x", "model": 3}', {}, 400, "model must be a string"),
+        (b'{"prompt": "x"}', {"X-Session-ID": "k" * 600}, 400, "X-Session-ID must be 1 to 512"),
+        (b'{"prompt": "' + b"x" * 5000 + b'"}', {}, 413, "exceeds 4096 bytes"),
+    ]
+    for raw, headers, status, needle in cases:
+        async with http.post(url, data=raw, headers=headers) as r:
+            assert r.status == status, raw[:40]
+            err = (await r.json())["error"]
+            assert needle in err["message"], (raw[:40], err)
+    chat = router.url + "/v1/chat/completions"
+    async with http.post(chat, json={"messages": "hi"}) as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
+    async with http.post(router.url + "/generate", json={"text": "x"}) as r:
+        assert r.status == 503  # no SGLang worker for SGLang's own endpoint
+    assert not engine.received  # nothing bad reached the engine
+    async with http.post(url, json=PROMPT) as r:
+        assert r.status == 200  # and the router keeps serving
+
+
+async def test_no_ready_worker_is_a_503(
+    start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    closed = bind("127.0.0.1", 0)
+    url = url_of("127.0.0.1", closed.getsockname()[1])
+    closed.close()  # nothing listens there
+    router = await start_router(RouterConfig(workers=workers(url)), settle=False)
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 503
+        assert "no ready worker" in (await r.json())["error"]["message"]
+    async with http.get(router.url + "/readiness") as r:
+        assert r.status == 503
+
+
+async def test_two_routers_side_by_side_in_one_process(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=4)])).servers
+    a = await start_router(RouterConfig(workers=workers(engine.url)))
+    b = await start_router(RouterConfig(workers=workers(engine.url), policy="least_load"))
+    for router in (a, b, a):
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200
+    counts = []
+    for router in (a, b):
+        async with http.get(router.url + "/metrics") as r:
+            text = await r.text()
+        counts.append(
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("dprouter_requests_total")
+            )
+        )
+    assert counts == [2.0, 1.0]
+
+
+async def test_engine_reported_load_steers_least_load(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    router = await start_router(
+        RouterConfig(
+            workers=workers(engine.url),
+            policy="least_load",
+            load_interval=0.05,
+        )
+    )
+
+    async def busy() -> None:  # another client loads rank 0 behind the router's back
+        body = {"prompt": "elsewhere", "max_tokens": 400}
+        async with http.post(
+            engine.url + "/v1/completions", json=body, headers={"X-data-parallel-rank": "0"}
+        ) as r:
+            await r.read()
+
+    tasks = [asyncio.create_task(busy()) for _ in range(3)]
+    try:
+        for _ in range(100):
+            if router.registry.targets()[0].reported == 3:
+                break
+            await asyncio.sleep(0.02)
+        ranks = []
+        for _ in range(3):
+            async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+                ranks.append(r.headers["x-sim-dp-rank"])
+        assert ranks == ["1", "1", "1"]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,140 @@
+"""Discovery and the admin API: workers come, go, and are never routed half-known."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from dprouter import discovery, load
+from dprouter.config import RouterConfig
+from dprouter.net import bind, url_of
+from dprouter.sim.config import EngineConfig
+from dprouter.sim.server import SimServer
+from dprouter.targets import Worker
+from tests.conftest import StartCluster, StartRouter, workers
+
+TOKEN = "s3cret"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+PROMPT = {"prompt": "who serves me", "max_tokens": 2}
+
+
+async def test_vllm_ranks_come_from_metrics_and_a_contradiction_is_refused(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    right, wrong = (await start_cluster([EngineConfig(dp_size=2), EngineConfig(dp_size=2)])).servers
+    config = RouterConfig(
+        workers=(*workers(right.url), *workers(wrong.url, dp_size=4)), admin_token=TOKEN
+    )
+    router = await start_router(config)
+    good, bad = router.registry.workers.values()
+    assert (good.state, good.dialect, good.ranks) == ("ready", "vllm", 2)
+    assert bad.state == "error" and "configured with dp_size 4" in (bad.error or "")
+    assert [t.label for t in router.registry.snapshot.pool()] == ["w0/0", "w0/1"]
+    async with http.get(router.url + "/workers", headers=ADMIN) as r:
+        listed = await r.json()
+    assert [(w["id"], w["state"], len(w["targets"])) for w in listed] == [
+        ("w0", "ready", 2),
+        ("w1", "error", 0),
+    ]
+
+
+@pytest.fixture
+async def hybrid_metrics() -> AsyncIterator[str]:
+    """A vLLM hybrid-LB endpoint's /metrics: it shows only its local engines 8..11."""
+    text = "".join(
+        f'vllm:num_requests_running{{engine="{e}",model_name="m"}} {e - 8}.0\n'
+        f'vllm:num_requests_waiting{{engine="{e}",model_name="m"}} 1.0\n'
+        for e in range(8, 12)
+    )
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=text, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = bind("127.0.0.1", 0)
+    await web.SockSite(runner, sock).start()
+    yield url_of("127.0.0.1", sock.getsockname()[1])
+    await runner.cleanup()
+
+
+async def test_hybrid_lb_endpoint_takes_local_ranks(
+    hybrid_metrics: str, http: aiohttp.ClientSession
+) -> None:
+    worker = Worker(id="node1", url=hybrid_metrics)
+    found = await discovery.probe(http, worker)
+    assert (found.dialect, found.ranks, found.rank_offset) == ("vllm", 4, 8)
+    discovery.apply(worker, found)
+    per_rank = await load.scrape(http, worker)
+    assert per_rank == {0: 1, 1: 2, 2: 3, 3: 4}  # engine 9 is local rank 1: 1 running + 1 waiting
+
+
+async def test_a_late_worker_is_discovered_then_routed(
+    start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    router = await start_router(
+        RouterConfig(workers=workers(url_of("127.0.0.1", port))), settle=False
+    )
+    await asyncio.sleep(0.3)
+    (worker,) = router.registry.workers.values()
+    assert worker.state == "discovering" and worker.error is not None
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 503  # never routed while unknown
+    engine = SimServer(EngineConfig(persona="sglang", dp_size=2), port=port)
+    await engine.start()
+    try:
+        assert await router.settled(10)
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200 and r.headers["x-sim-dp-rank"] == "0"
+    finally:
+        await engine.stop()
+
+
+async def test_admin_api_adds_lists_and_removes_workers_with_all_their_ranks(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    a, b = (
+        await start_cluster([EngineConfig(dp_size=4), EngineConfig(persona="sglang", dp_size=2)])
+    ).servers
+    router = await start_router(RouterConfig(workers=workers(a.url), admin_token=TOKEN))
+    async with http.post(router.url + "/workers", json={"url": b.url}) as r:
+        assert r.status == 401
+    async with http.post(
+        router.url + "/workers?wait=5", json={"url": b.url, "id": "sg"}, headers=ADMIN
+    ) as r:
+        assert r.status == 201
+        added = await r.json()
+    assert (added["state"], added["dialect"], added["dp_size"]) == ("ready", "sglang", 2)
+    assert [t["target"] for t in added["targets"]] == ["sg/0", "sg/1"]
+    async with http.post(router.url + "/workers", json={"url": b.url}, headers=ADMIN) as r:
+        assert r.status == 409
+    async with http.post(router.url + "/workers", json={"url": "ftp://x"}, headers=ADMIN) as r:
+        assert r.status == 400
+    assert len(router.registry.snapshot.pool()) == 6
+    async with http.delete(router.url + "/workers/w0", headers=ADMIN) as r:
+        assert r.status == 200
+    assert [t.label for t in router.registry.snapshot.pool()] == ["sg/0", "sg/1"]
+    for _ in range(4):
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.headers["x-sim-engine"] == b.engine_id
+    async with http.delete(router.url + "/workers/w0", headers=ADMIN) as r:
+        assert r.status == 404
+
+
+async def test_admin_api_is_off_without_a_token(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    async with http.get(router.url + "/workers", headers=ADMIN) as r:
+        assert r.status == 403
+        assert "admin API is off" in (await r.json())["error"]["message"]
