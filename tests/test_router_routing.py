@@ -169,3 +169,20 @@ async def test_models_union_and_unknown_model(
     async with http.post(router.url + "/v1/completions", json={**PROMPT, "model": "gamma"}) as r:
         assert r.status == 404
         assert (await r.json())["error"]["message"] == "The model `gamma` does not exist."
+
+
+async def test_client_authorization_reaches_engines_only_when_configured(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    auth = {"Authorization": "Bearer client-key"}
+    plain = await start_router(RouterConfig(workers=workers(engine.url)))
+    forwarding = await start_router(
+        RouterConfig(workers=workers(engine.url), forward_authorization=True)
+    )
+    await served_by(http, plain.url, 1, PROMPT, auth)
+    await served_by(http, forwarding.url, 1, PROMPT, auth)
+    assert [rec.headers.get("Authorization") for rec in engine.received] == [
+        None,
+        "Bearer client-key",
+    ]

@@ -48,6 +48,7 @@ class RouterConfig:
     sessions: bool = False  # clients send routing keys: sticky sessions wanted
     dp_aware: DpAware = "auto"
     trust_client_rank: bool = False
+    forward_authorization: bool = False  # pass clients' Authorization on to the engines
     seed: int = 0
     key_ttl: float = 3600.0
     max_body: int = 32 << 20

@@ -100,6 +100,14 @@ class Monitor:
                 continue
             discovery.apply(worker, found)
             self.registry.mark_ready(worker)
+            if worker.ranks > 1 and not self.registry.dp_aware:
+                log.warning(
+                    "worker %s runs %d DP ranks%s but DP-aware routing is OFF: its own "
+                    "balancer places every request",
+                    worker.id,
+                    worker.ranks,
+                    " with DP attention" if worker.dp_attention else "",
+                )
             log.info(
                 "worker %s ready: %s, %d rank(s)%s",
                 worker.id,

@@ -41,6 +41,7 @@ HOP_BY_HOP = frozenset(
         "host",
     }
 )
+HOP_AND_AUTH = HOP_BY_HOP | {"authorization"}  # a client's API key is not the engine's
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 TARGET_HEADER = "x-dprouter-target"
 
@@ -90,7 +91,8 @@ class Proxy:
         pool = self._pool(kind, incoming)
         if isinstance(pool, web.Response):
             return pool
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        dropped = HOP_BY_HOP if self.config.forward_authorization else HOP_AND_AUTH
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in dropped}
         changed = False
         if not self.config.trust_client_rank:
             changed = dialects.strip_client_rank(headers, incoming.body)

@@ -92,6 +92,11 @@ def make_config(
     help="Route to ranks of DP engines (off: engines pick).",
 )
 @click.option("--trust-client-rank", is_flag=True, help="Keep rank headers/fields clients send.")
+@click.option(
+    "--forward-authorization",
+    is_flag=True,
+    help="Pass clients' Authorization header on to the engines.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--key-ttl", type=click.FloatRange(min=0), default=3600.0, show_default=True)
 @click.option("--max-body", type=click.IntRange(min=1), default=32 << 20, show_default=True)
