@@ -115,7 +115,7 @@ class Proxy:
             with Outstanding(target, incoming.tokens):
                 try:
                     upstream = await self.session.post(
-                        target.worker.url + request.path, data=data, headers=sent
+                        target.worker.url + request.path_qs, data=data, headers=sent
                     )
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     self._failed(target, "connect")
