@@ -10,9 +10,11 @@ from typing import Any, Protocol
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from dprouter.app import Router
 from dprouter.config import RouterConfig, WorkerSpec
+from dprouter.net import bind, url_of
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig
 
@@ -79,3 +81,16 @@ async def start_router() -> AsyncIterator[StartRouter]:
 
 def workers(*urls: str, **keys: object) -> tuple[WorkerSpec, ...]:
     return tuple(WorkerSpec(url, **keys) for url in urls)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """Serve a small stand-in upstream on a free loopback port; yields its URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = bind("127.0.0.1", 0)
+    await web.SockSite(runner, sock).start()
+    try:
+        yield url_of("127.0.0.1", sock.getsockname()[1])
+    finally:
+        await runner.cleanup()

@@ -12,7 +12,7 @@ from aiohttp import web
 from dprouter.config import RouterConfig
 from dprouter.net import bind, url_of
 from dprouter.sim.config import EngineConfig, Faults
-from tests.conftest import StartCluster, StartRouter, workers
+from tests.conftest import StartCluster, StartRouter, serving, workers
 from tests.test_sim_vllm import sse_events
 
 PROMPT = {"prompt": "pass me through", "max_tokens": 3}
@@ -40,12 +40,8 @@ async def odd_upstream() -> AsyncIterator[tuple[str, asyncio.Event]]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = bind("127.0.0.1", 0)
-    await web.SockSite(runner, sock).start()
-    yield url_of("127.0.0.1", sock.getsockname()[1]), release
-    await runner.cleanup()
+    async with serving(app) as url:
+        yield url, release
 
 
 async def test_sse_passes_through_byte_exact_and_unbuffered(

@@ -15,7 +15,7 @@ from dprouter.net import bind, url_of
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.server import SimServer
 from dprouter.targets import Worker
-from tests.conftest import StartCluster, StartRouter, workers
+from tests.conftest import StartCluster, StartRouter, serving, workers
 
 TOKEN = "s3cret"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -56,12 +56,8 @@ async def hybrid_metrics() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = bind("127.0.0.1", 0)
-    await web.SockSite(runner, sock).start()
-    yield url_of("127.0.0.1", sock.getsockname()[1])
-    await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def test_hybrid_lb_endpoint_takes_local_ranks(
