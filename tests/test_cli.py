@@ -9,8 +9,10 @@ import subprocess
 import sys
 
 import aiohttp
+import pytest
 
 import dprouter
+from dprouter.demo import run_demo
 from dprouter.sim.config import EngineConfig
 from tests.conftest import StartCluster
 
@@ -153,3 +155,13 @@ def test_serve_rejects_contradictory_options() -> None:
     )
     assert result.returncode == 2
     assert "drop --assignment or use --policy manual" in result.stderr
+
+
+async def test_demo_uses_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    await run_demo(requests=60, concurrency=12)
+    out = capsys.readouterr().out
+    assert "ranks used: DP-aware 20/20" in out
+    assert "outstanding after the runs: 0" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("sim-")]
+    assert len(rows) == 20 + 3  # one line per engine, then one per rank
+    assert all(int(row[2]) == 3 for row in rows[3:])  # 60 requests over 20 ranks

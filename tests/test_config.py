@@ -90,3 +90,20 @@ def test_toml_file(tmp_path: Path) -> None:
     path.write_text("polcy = 'x'\n")
     with pytest.raises(ConfigError, match="unknown options \\['polcy'\\]"):
         load_file(path)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (RouterConfig(dp_aware="Off"), "dp_aware must be auto, on or off"),  # type: ignore[arg-type]
+        (RouterConfig(sessions="no"), "sessions must be bool"),  # type: ignore[arg-type]
+        (RouterConfig(port="80"), "port must be int"),  # type: ignore[arg-type]
+        (RouterConfig(attempts=True), "attempts must be int"),
+        (RouterConfig(workers=(WorkerSpec("http://h:1", dp_size=2.5),)), "dp_size must be int"),  # type: ignore[arg-type]
+        (RouterConfig(workers=(WorkerSpec(5),)), "url must be a string"),  # type: ignore[arg-type]
+        (RouterConfig(workers=(WorkerSpec("http://h:1", role="prefill"),)), "needs a P/D mode"),
+    ],
+)
+def test_wrong_types_and_values_name_the_field(config: RouterConfig, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(config)

@@ -130,8 +130,9 @@ def test_cache_aware_follows_the_prefix_until_load_says_no() -> None:
     system = "You are a careful assistant. " * 20
     home = ca.select(targets, RequestInfo(text=system + "question one"))
     assert ca.select(targets, RequestInfo(text=system + "question two")) is home
+    home.outstanding = 1
     fresh = ca.select(targets, RequestInfo(text="an unrelated prompt " * 10))
-    assert fresh is not home  # no affinity: the least loaded (ties rotate)
+    assert fresh.load == 0  # no affinity: the least loaded
     home.outstanding = 40  # > 32 above the idlest and > 1.5x: affinity yields
     assert ca.select(targets, RequestInfo(text=system + "question three")) is not home
 

@@ -224,3 +224,101 @@ async def test_engine_reported_load_steers_least_load(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_refusing_worker_leaves_the_snapshot_and_returns_when_it_answers(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    flaky, steady = (
+        await start_cluster([EngineConfig(dp_size=2), EngineConfig(dp_size=2)])
+    ).servers
+    router = await start_router(RouterConfig(workers=workers(flaky.url, steady.url)))
+    await flaky.crash()
+    for _ in range(6):
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200 and r.headers["x-sim-engine"] == steady.engine_id
+    assert router.registry.workers["w0"].state == "discovering"
+    assert [t.label for t in router.registry.snapshot.pool()] == ["w1/0", "w1/1"]
+    await flaky.start()
+    assert await router.settled(10)
+    engines = set()
+    for _ in range(4):
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            engines.add(r.headers["x-sim-engine"])
+    assert engines == {flaky.engine_id, steady.engine_id}
+
+
+async def test_a_hanging_engine_times_out_and_the_request_moves_on(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    hung, fine = (
+        await start_cluster(
+            [
+                EngineConfig(faults=Faults(hang=True)),
+                EngineConfig(),
+            ]
+        )
+    ).servers
+    router = await start_router(RouterConfig(workers=workers(hung.url, fine.url), read_timeout=0.3))
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 200 and r.headers["x-sim-engine"] == fine.engine_id
+    assert all(t.outstanding == 0 for t in router.registry.targets())
+
+
+@pytest.fixture
+async def misbehaving() -> AsyncIterator[str]:
+    """An upstream whose answers break: a body cut short, a stream cut mid-event, a 429."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("prompt") == "busy":
+            return web.json_response(
+                {"error": "slow down"}, status=429, headers={"Retry-After": "3"}
+            )
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream" if body.get("stream") else "application/json",
+            }
+        )
+        if not body.get("stream"):
+            resp.content_length = 1000  # promises more than it sends
+        await resp.prepare(request)
+        await resp.write(b'data: {"ok": 1}\n\ndata: {"choi' if body.get("stream") else b'{"id"')
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serving(app) as url:
+        yield url
+
+
+async def test_broken_answers_are_retried_or_reported_cleanly(
+    misbehaving: str,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    (good,) = (await start_cluster([EngineConfig()])).servers
+    both = await start_router(
+        RouterConfig(
+            workers=(*workers(misbehaving, dialect="vllm", dp_size=1), *workers(good.url)),
+        )
+    )
+    async with http.post(both.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 200 and r.headers["x-sim-engine"] == good.engine_id  # retried
+    alone = await start_router(
+        RouterConfig(workers=workers(misbehaving, dialect="vllm", dp_size=1))
+    )
+    async with http.post(alone.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 502
+        assert "answer broke off" in (await r.json())["error"]["message"]
+    async with http.post(alone.url + "/v1/completions", json={**PROMPT, "stream": True}) as r:
+        events = sse_events(await r.read())
+    assert events[0] == b'{"ok": 1}'
+    assert events[1] == b'{"choi'  # the half event, closed off...
+    assert b"closed the stream before it finished" in events[2]  # ...then an error of its own
+    assert events[3] == b"[DONE]"
+    async with http.post(alone.url + "/v1/completions", json={"prompt": "busy"}) as r:
+        assert r.status == 429 and r.headers["Retry-After"] == "3"  # the engine's own answer

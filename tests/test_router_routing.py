@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dprouter.config import RouterConfig
-from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig
+from dprouter.sim.server import SimServer
 from tests.conftest import StartCluster, StartRouter, workers
+from tests.test_sim_vllm import sse_events
 
 VLLM_DP8 = EngineConfig(persona="vllm", dp_size=8)
 PROMPT: dict[str, Any] = {"prompt": "route me", "max_tokens": 2}
@@ -32,8 +36,8 @@ async def served_by(
     return out
 
 
-def engine_ranks(cluster: SimCluster) -> Counter[tuple[str, int | None]]:
-    return Counter((s.engine_id, rec.rank) for s in cluster.servers for rec in s.received)
+def engine_ranks(servers: Iterable[SimServer]) -> Counter[tuple[str, int | None]]:
+    return Counter((s.engine_id, rec.rank) for s in servers for rec in s.received)
 
 
 async def test_two_dp8_workers_16_requests_reach_16_distinct_targets(
@@ -59,7 +63,7 @@ async def test_mixed_dp_fleet_is_covered_evenly_over_whole_cycles(
     router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
     assert len(router.registry.snapshot.pool()) == 7
     await served_by(http, router.url, 7 * 3)
-    counts = engine_ranks(cluster)
+    counts = engine_ranks(cluster.servers)
     assert len(counts) == 7 and set(counts.values()) == {3}
 
 
@@ -120,18 +124,24 @@ async def test_client_ranks_are_stripped_unless_trusted(
     assert seen == [("engine-0", "3")] * 2
 
 
-async def test_sessions_stick_to_one_target(
+async def test_sessions_stick_and_new_ones_go_to_the_least_loaded_target(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    cluster = await start_cluster([VLLM_DP8, VLLM_DP8])
+    cluster = await start_cluster([EngineConfig(dp_size=2), EngineConfig(dp_size=2)])
     router = await start_router(RouterConfig(workers=workers(*cluster.urls), sessions=True))
-    assert router.config.policy == "manual"
-    homes = {}
-    for session in ("alice", "bob", "carol"):
-        seen = await served_by(http, router.url, 4, PROMPT, {"X-Session-ID": session})
-        assert len(set(seen)) == 1, seen
-        homes[session] = seen[0]
-    assert len(set(homes.values())) == 3  # min_load puts new sessions on idle targets
+    assert (router.config.policy, router.config.assignment) == ("manual", "min_load")
+    long = {"prompt": "keep busy", "max_tokens": 3000, "stream": True}
+    busy = [await http.post(router.url + "/v1/completions", json=long) for _ in range(3)]
+    try:
+        held = {(r.headers["x-sim-engine"], r.headers["x-sim-dp-rank"]) for r in busy}
+        assert len(held) == 3  # keyless requests fill idle targets first
+        seen = await served_by(http, router.url, 3, PROMPT, {"X-Session-ID": "alice"})
+        assert len(set(seen)) == 1 and seen[0] not in held  # the one idle target
+    finally:
+        for r in busy:
+            r.close()
+    again = await served_by(http, router.url, 2, PROMPT, {"X-Session-ID": "alice"})
+    assert set(again) == {seen[0]}  # still there once the others are idle too
     body_key = await served_by(http, router.url, 3, {**PROMPT, "user": "dave"})
     assert len(set(body_key)) == 1
 
@@ -186,3 +196,126 @@ async def test_client_authorization_reaches_engines_only_when_configured(
         None,
         "Bearer client-key",
     ]
+
+
+async def test_round_robin_keeps_a_counter_per_pool(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    a, b = (
+        await start_cluster(
+            [
+                EngineConfig(dp_size=2, model="alpha"),
+                EngineConfig(dp_size=2, model="beta"),
+            ]
+        )
+    ).servers
+    router = await start_router(RouterConfig(workers=workers(a.url, b.url)))
+    for _ in range(4):  # alternating models must not alias onto one rank of each
+        for model in ("alpha", "beta"):
+            await served_by(http, router.url, 1, {**PROMPT, "model": model})
+    assert engine_ranks([a, b]) == {
+        ("engine-0", 0): 2,
+        ("engine-0", 1): 2,
+        ("engine-1", 0): 2,
+        ("engine-1", 1): 2,
+    }
+
+
+async def test_a_trusted_client_rank_picks_the_target(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    vllm, sglang = (
+        await start_cluster(
+            [
+                EngineConfig(dp_size=4),
+                EngineConfig(persona="sglang", dp_size=4),
+            ]
+        )
+    ).servers
+    router = await start_router(
+        RouterConfig(workers=workers(vllm.url, sglang.url), trust_client_rank=True)
+    )
+    by_header = await served_by(http, router.url, 2, PROMPT, {"X-data-parallel-rank": "2"})
+    by_body = await served_by(http, router.url, 2, {**PROMPT, "routed_dp_rank": 3})
+    assert by_header == [("engine-0", "2"), ("engine-1", "2")]
+    assert by_body == [("engine-0", "3"), ("engine-1", "3")]
+    async with http.post(router.url + "/v1/completions", json={**PROMPT, "routed_dp_rank": 9}) as r:
+        assert r.status == 400 and "no target has dp_rank 9" in await r.text()
+    async with http.post(
+        router.url + "/v1/completions", json=PROMPT, headers={"X-data-parallel-rank": "two"}
+    ) as r:
+        assert r.status == 400
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (4, 1), (1, 8), (2, 8), (3, 8)], ids=str)
+async def test_role_shapes_are_covered_exactly_evenly(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    shape: tuple[int, int],
+) -> None:
+    engines, dp = shape
+    cluster = await start_cluster([EngineConfig(dp_size=dp)] * engines)
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    await served_by(http, router.url, 2 * engines * dp)
+    counts = engine_ranks(cluster.servers)
+    assert len(counts) == engines * dp and set(counts.values()) == {2}
+
+
+async def test_chat_and_generate_through_the_router(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    vllm, sglang = (
+        await start_cluster(
+            [
+                EngineConfig(dp_size=2),
+                EngineConfig(persona="sglang", dp_size=2),
+            ]
+        )
+    ).servers
+    router = await start_router(RouterConfig(workers=workers(vllm.url, sglang.url)))
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+    async with http.post(router.url + "/v1/chat/completions", json=chat) as r:
+        assert r.status == 200
+        assert (await r.json())["choices"][0]["message"]["role"] == "assistant"
+    async with http.post(router.url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
+        events = sse_events(await r.read())
+    assert events[-1] == b"[DONE]" and len(events) == 5  # role, 3 tokens, [DONE]
+    gen = {"text": "go", "sampling_params": {"max_new_tokens": 2}}
+    ranks = []
+    for _ in range(4):  # /generate is SGLang's own: only the SGLang worker, rank by rank
+        async with http.post(router.url + "/generate", json=gen) as r:
+            assert r.status == 200 and r.headers["x-sim-engine"] == sglang.engine_id
+            ranks.append(r.headers["x-sim-dp-rank"])
+    assert ranks == ["0", "1", "0", "1"]
+    generate_bodies = [rec.body for rec in sglang.received if rec.path == "/generate"]
+    assert [b["routed_dp_rank"] for b in generate_bodies] == [0, 1, 0, 1]
+
+
+async def test_metrics_per_target(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    await served_by(http, router.url, 4)
+    async with http.post(router.url + "/v1/completions", data=b"{") as r:
+        assert r.status == 400
+    async with http.get(router.url + "/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+    answered = {
+        (s.labels["worker"], s.labels["dp_rank"], s.labels["status"]): s.value
+        for s in families["dprouter_requests"].samples
+        if s.name.endswith("_total")
+    }
+    assert answered == {("w0", "0", "200"): 2.0, ("w0", "1", "200"): 2.0}
+    for name in ("dprouter_time_to_first_byte_seconds", "dprouter_request_duration_seconds"):
+        counts = {
+            s.labels["dp_rank"]: s.value
+            for s in families[name].samples
+            if s.name.endswith("_count")
+        }
+        assert counts == {"0": 2.0, "1": 2.0}
+    rejected = [s for s in families["dprouter_rejected"].samples if s.name.endswith("_total")]
+    assert [(s.labels["cause"], s.value) for s in rejected] == [("bad_request", 1.0)]
+    outstanding = [s.value for s in families["dprouter_outstanding"].samples]
+    assert outstanding == [0.0, 0.0]

@@ -15,7 +15,7 @@ from dprouter.net import bind, url_of
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.server import SimServer
 from dprouter.targets import Worker
-from tests.conftest import StartCluster, StartRouter, serving, workers
+from tests.conftest import StartCluster, StartRouter, background, serving, workers
 
 TOKEN = "s3cret"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -134,3 +134,48 @@ async def test_admin_api_is_off_without_a_token(
     async with http.get(router.url + "/workers", headers=ADMIN) as r:
         assert r.status == 403
         assert "admin API is off" in (await r.json())["error"]["message"]
+
+
+async def test_dp_aware_off_warns_at_start_up_and_for_each_dp_engine(
+    start_cluster: StartCluster, start_router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    (engine,) = (
+        await start_cluster([EngineConfig(persona="sglang", dp_size=4, dp_attention=True)])
+    ).servers
+    with caplog.at_level("WARNING", logger="dprouter"):
+        await start_router(RouterConfig(workers=workers(engine.url), dp_aware="off"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("DP-aware routing is OFF" in m and "Use --dp-aware auto" in m for m in messages)
+    assert any("w0 runs 4 DP ranks with DP attention but DP-aware" in m for m in messages)
+
+
+async def test_sglang_load_is_scraped_per_rank_and_an_odd_worker_does_not_stop_it(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(persona="sglang", dp_size=2)])).servers
+
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response({"dp_size": 1})
+
+    async def odd_loads(_: web.Request) -> web.Response:
+        return web.json_response([1, 2, 3])  # not the shape anyone expects
+
+    app = web.Application()
+    app.router.add_get("/server_info", info)
+    app.router.add_get("/v1/loads", odd_loads)
+    async with serving(app) as odd:
+        router = await start_router(
+            RouterConfig(workers=workers(odd, engine.url), load_interval=0.05)
+        )
+
+        async def busy() -> None:
+            body = {"text": "x", "sampling_params": {"max_new_tokens": 300}, "routed_dp_rank": 1}
+            async with http.post(engine.url + "/generate", json=body) as r:
+                await r.read()
+
+        async with background(busy(), busy()):
+            for _ in range(100):
+                if [t.reported for t in router.registry.workers["w1"].targets] == [0, 2]:
+                    break
+                await asyncio.sleep(0.02)
+            assert [t.reported for t in router.registry.workers["w1"].targets] == [0, 2]

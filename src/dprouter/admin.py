@@ -21,8 +21,8 @@ from dprouter.config import (
     worker_from_mapping,
 )
 from dprouter.monitor import Monitor
-from dprouter.proxy import error
 from dprouter.registry import Registry
+from dprouter.relay import error
 from dprouter.targets import Worker
 
 

@@ -22,8 +22,9 @@ from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
 from dprouter.policies import Policy, make_policy
-from dprouter.proxy import Proxy, error
+from dprouter.proxy import Proxy
 from dprouter.registry import Registry
+from dprouter.relay import error
 
 log = logging.getLogger("dprouter")
 
@@ -114,9 +115,18 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     parts = app[PARTS]
     config = parts.config
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout)
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=config.connect_timeout, sock_read=config.read_timeout or None
+    )
     session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
-    parts.proxy = Proxy(config, parts.registry, parts.policy, parts.metrics, session)
+    parts.proxy = Proxy(
+        config,
+        parts.registry,
+        parts.policy,
+        parts.metrics,
+        session,
+        unreachable=parts.monitor.suspect,
+    )
     await parts.monitor.start()
     try:
         yield

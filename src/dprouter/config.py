@@ -12,7 +12,7 @@ contradictions fail with a message that says what to change:
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +56,7 @@ class RouterConfig:
     attempts: int = 3  # tries per request before the first byte, each on another target
     upstream_keepalive: float = 3.0  # below the engines' own (uvicorn: 5 s)
     connect_timeout: float = 5.0
+    read_timeout: float = 600.0  # no byte from the engine for this long: the attempt failed
     load_interval: float = 1.0  # seconds between scrapes of engine-reported load; 0: off
     startup_timeout: float = 10.0  # serve waits this long for discovery before listening
     admin_token: str | None = None  # None: the admin API is off
@@ -73,7 +74,34 @@ class RouterConfig:
         )
 
 
+SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+}
+
+
+def check_types(obj: object, where: str) -> None:
+    """Every plain field holds its declared type: a file or an API call can say anything."""
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        names = [part.strip() for part in str(f.type).split("|")]
+        if value is None and "None" in names:
+            continue
+        kinds = [n for n in names if n != "None"]
+        if not all(k in SIMPLE_TYPES for k in kinds):
+            continue  # not a plain field: checked by name in validate()
+        wanted = tuple(t for k in kinds for t in SIMPLE_TYPES[k])
+        bool_slipped = isinstance(value, bool) and bool not in wanted  # True is an int too
+        if bool_slipped or not isinstance(value, wanted):
+            raise ConfigError(f"{where}{f.name} must be {' or '.join(kinds)}, got {value!r}")
+
+
 def validate(config: RouterConfig) -> RouterConfig:
+    check_types(config, "")
+    if config.dp_aware not in ("auto", "on", "off"):
+        raise ConfigError(f"dp_aware must be auto, on or off, got {config.dp_aware!r}")
     warnings = list(config.warnings)
     policy, assignment = config.policy, config.assignment
     if policy is not None and policy not in POLICIES:
@@ -101,23 +129,11 @@ def validate(config: RouterConfig) -> RouterConfig:
         )
     if config.attempts < 1:
         raise ConfigError("--attempts must be at least 1")
-    seen: dict[str, str] = {}
-    workers = []
-    for spec in config.workers:
-        try:
-            url = normalise_url(spec.url)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if url in seen:
+    workers = [check_worker(spec) for spec in config.workers]
+    urls = [w.url for w in workers]
+    for url in urls:
+        if urls.count(url) > 1:
             raise ConfigError(f"worker {url} is listed twice")
-        seen[url] = url
-        if spec.role not in ROLES:
-            raise ConfigError(f"worker {url}: role must be one of {', '.join(ROLES)}")
-        if spec.dialect not in (None, "vllm", "sglang"):
-            raise ConfigError(f"worker {url}: dialect must be auto, vllm or sglang")
-        if spec.dp_size is not None and spec.dp_size < 1:
-            raise ConfigError(f"worker {url}: dp_size must be at least 1")
-        workers.append(replace(spec, url=url))
     return replace(
         config,
         policy=policy,
@@ -125,6 +141,29 @@ def validate(config: RouterConfig) -> RouterConfig:
         workers=tuple(workers),
         warnings=tuple(warnings),
     )
+
+
+def check_worker(spec: WorkerSpec) -> WorkerSpec:
+    if not isinstance(spec.url, str):
+        raise ConfigError(f"worker url must be a string, got {spec.url!r}")
+    try:
+        url = normalise_url(spec.url)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    check_types(spec, f"worker {url}: ")
+    if spec.role not in ROLES:
+        raise ConfigError(f"worker {url}: role must be one of {', '.join(ROLES)}")
+    if spec.role != "regular":
+        raise ConfigError(
+            f"worker {url}: role {spec.role} needs a P/D mode, which is not built yet"
+        )
+    if spec.dialect not in (None, "vllm", "sglang"):
+        raise ConfigError(f"worker {url}: dialect must be auto, vllm or sglang")
+    if spec.dp_size is not None and spec.dp_size < 1:
+        raise ConfigError(f"worker {url}: dp_size must be at least 1")
+    if spec.rank_offset is not None and spec.rank_offset < 0:
+        raise ConfigError(f"worker {url}: rank_offset must be at least 0")
+    return replace(spec, url=url)
 
 
 def worker_from_mapping(raw: dict[str, Any]) -> WorkerSpec:

@@ -8,14 +8,32 @@ unless the router is told to trust clients.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from dprouter.parse import BadRequest
 from dprouter.targets import DialectName
 
 VLLM_RANK_HEADER = "X-data-parallel-rank"
 RANK_HEADERS = ("x-data-parallel-rank",)  # vLLM's and SGLang's spelling, case-folded
 RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")
+
+
+def client_rank(headers: Mapping[str, str], body: Mapping[str, Any]) -> int | None:
+    """The rank a (trusted) client pinned, from the header or the body fields."""
+    for name, value in headers.items():
+        if name.lower() in RANK_HEADERS:
+            try:
+                return int(value)
+            except ValueError:
+                raise BadRequest(f"{name} must be an integer, got {value!r}", name) from None
+    for field in RANK_FIELDS[:2]:
+        rank = body.get(field)
+        if rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, int):
+                raise BadRequest(f"{field} must be an integer, got {rank!r}", field)
+            return rank
+    return None
 
 
 def strip_client_rank(headers: MutableMapping[str, str], body: dict[str, Any]) -> bool:

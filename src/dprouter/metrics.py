@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dprouter.registry import Registry
+from dprouter.targets import Target
 
 TARGET = ["worker", "dp_rank"]
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -40,6 +42,32 @@ class _Live(Collector):
         yield outstanding
         yield reported
         yield ready
+
+
+class TargetSeries:
+    """One target's children of the labelled series, looked up once and kept."""
+
+    def __init__(self, metrics: RouterMetrics, target: Target) -> None:
+        labels = (target.worker.id, target.rank_label)
+        self.target = target
+        self._labels = labels
+        self._metrics = metrics
+        self._answered: dict[int, Any] = {}
+        self._failed: dict[str, Any] = {}
+        self.first_byte = metrics.first_byte.labels(*labels)
+        self.duration = metrics.duration.labels(*labels)
+
+    def answered(self, status: int) -> None:
+        child = self._answered.get(status)
+        if child is None:
+            child = self._answered[status] = self._metrics.requests.labels(*self._labels, status)
+        child.inc()
+
+    def failed(self, cause: str) -> None:
+        child = self._failed.get(cause)
+        if child is None:
+            child = self._failed[cause] = self._metrics.errors.labels(*self._labels, cause)
+        child.inc()
 
 
 class RouterMetrics:
@@ -76,3 +104,10 @@ class RouterMetrics:
             registry=p,
         )
         p.register(_Live(registry))
+        self._series: dict[int, TargetSeries] = {}
+
+    def series(self, target: Target) -> TargetSeries:
+        found = self._series.get(id(target))
+        if found is None or found.target is not target:
+            found = self._series[id(target)] = TargetSeries(self, target)
+        return found

@@ -63,9 +63,15 @@ class Monitor:
     def watch(self, worker: Worker) -> None:
         """Discover ``worker`` in the background (again, if it was known)."""
         self.forget(worker.id)
-        worker.state = "discovering"
+        self.registry.mark_discovering(worker)
         task = asyncio.create_task(self._discover(worker), name=f"discover-{worker.id}")
         self._discovering[worker.id] = task
+
+    def suspect(self, worker: Worker) -> None:
+        """A connection to ``worker`` was refused: no traffic until it answers again."""
+        if worker.ready and worker.id in self.registry.workers:
+            log.warning("worker %s refused a connection: out until it answers again", worker.id)
+            self.watch(worker)
 
     def forget(self, worker_id: str) -> None:
         task = self._discovering.pop(worker_id, None)
@@ -93,11 +99,16 @@ class Monitor:
                 self.registry.mark_error(worker, str(exc))
                 break
             except (discovery.DiscoveryError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                # ValueError covers malformed JSON and metrics text: a worker still starting
                 worker.error = f"{type(exc).__name__}: {exc}"
                 log.warning("worker %s not ready (%s); retrying in %.1fs", worker.id, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.options.retry_max)
                 continue
+            except Exception as exc:  # a bug or a bizarre answer: park the worker, loudly
+                log.exception("discovery of worker %s failed", worker.id)
+                self.registry.mark_error(worker, f"discovery failed: {type(exc).__name__}: {exc}")
+                break
             discovery.apply(worker, found)
             self.registry.mark_ready(worker)
             if worker.ranks > 1 and not self.registry.dp_aware:
@@ -127,6 +138,8 @@ class Monitor:
 
     async def _scrape(self, worker: Worker) -> None:
         try:
-            load.assign(worker, await load.scrape(self.session, worker))
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            per_rank = await load.scrape(self.session, worker)
+        except Exception as exc:  # one odd worker must not stop scraping the others
             log.debug("load of %s unavailable: %s", worker.id, exc)
+            per_rank = {}  # unknown now: fall back on the router's own counts
+        load.assign(worker, per_rank)

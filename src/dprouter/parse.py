@@ -59,36 +59,46 @@ def _limit(body: Mapping[str, Any], *names: str) -> int | None:
     return None
 
 
-def _chat_text(messages: list[Any]) -> str:
+def _chat_text(messages: list[Any]) -> tuple[str, int]:
+    """The first AFFINITY_CHARS of the conversation, and its whole length in characters."""
     parts: list[str] = []
+    kept = length = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadRequest(f"messages[{i}] must be an object", "messages")
         content = m.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
-        elif content is not None:
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list", "messages")
-    return "\n".join(parts)
+        length += len(content) + 1
+        if kept < AFFINITY_CHARS:
+            parts.append(content)
+            kept += len(content) + 1
+    return "\n".join(parts)[:AFFINITY_CHARS], length
 
 
-def _prompt_text(body: Mapping[str, Any], kind: Kind) -> str:
+def _prompt(body: Mapping[str, Any], kind: Kind) -> tuple[str, int]:
+    """Text for prefix affinity, and the prompt's size in tokens (estimated for text:
+    about 4 characters a token; exact for token ids)."""
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", "messages")
-        return _chat_text(messages)
+        text, length = _chat_text(messages)
+        return text, length // 4
     name = "prompt" if kind == "completion" else "text"
     prompt = body.get(name)
-    if kind == "generate" and prompt is None and isinstance(body.get("input_ids"), list):
-        return " ".join(map(str, body["input_ids"][:AFFINITY_CHARS]))
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        return first if isinstance(first, str) else " ".join(map(str, prompt[:AFFINITY_CHARS]))
+    if kind == "generate" and prompt is None:
+        name, prompt = "input_ids", body.get("input_ids")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch: its first prompt stands for it
+    if isinstance(prompt, str) and prompt:
+        return prompt[:AFFINITY_CHARS], len(prompt) // 4
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt[:16]):
+        return " ".join(map(str, prompt[: AFFINITY_CHARS // 8])), len(prompt)
     raise BadRequest(f"{name} must be a non-empty string or list", name)
 
 
@@ -120,12 +130,12 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         limit = _limit(params, "max_new_tokens")
     else:
         limit = _limit(body, "max_completion_tokens", "max_tokens")
-    text = _prompt_text(body, kind)
+    text, prompt_tokens = _prompt(body, kind)
     return Incoming(
         body=body,
         model=model,
         stream=stream,
         key=routing_key(headers, body),
-        text=text[:AFFINITY_CHARS],
-        tokens=len(text) // 4 + (limit or DEFAULT_OUTPUT),
+        text=text,
+        tokens=prompt_tokens + (limit or DEFAULT_OUTPUT),
     )

@@ -28,6 +28,10 @@ class Snapshot:
     _pools: dict[tuple[Role, str | None, DialectName | None], tuple[Target, ...]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    known_models: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "known_models", frozenset(self.models()))
 
     def pool(
         self, role: Role = "regular", model: str | None = None, dialect: DialectName | None = None
@@ -36,6 +40,16 @@ class Snapshot:
         key = (role, model, dialect)
         found = self._pools.get(key)
         if found is None:
+            if model is not None and model not in self.known_models:
+                # a name no worker lists: never cached, so clients cannot grow the cache
+                return interleave(
+                    w
+                    for w in self.workers
+                    if w.role == role
+                    and not (w.models or w.model)
+                    and (dialect is None or w.dialect == dialect)
+                )
+
             chosen = [
                 w
                 for w in self.workers
@@ -96,6 +110,11 @@ class Registry:
         worker.targets = [have.get(r) or Target(worker, r) for r in wanted]
         worker.state = "ready"
         worker.error = None
+        self.rebuild()
+
+    def mark_discovering(self, worker: Worker) -> None:
+        """Out of the snapshot until discovery finds it again (it stopped answering)."""
+        worker.state = "discovering"
         self.rebuild()
 
     def mark_error(self, worker: Worker, error: str) -> None:

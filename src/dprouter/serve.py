@@ -109,6 +109,13 @@ def make_config(
     show_default=True,
     help="Seconds between scrapes of engine-reported load (0: off).",
 )
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    show_default=True,
+    help="Seconds without a byte from the engine before the attempt fails (0: none).",
+)
 @click.option("--startup-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True)
 @click.option(
     "--admin-token",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -20,6 +20,8 @@ class RequestInfo:
     text: str = ""  # prompt text, for prefix affinity
     tokens: int = 0  # estimated prompt + output tokens
     now: float = 0.0  # monotonic seconds, for expiring idle keys
+    pool: Hashable = None  # which pool the targets come from (role, model, ...): counters per pool
+    attempt: int = 0  # > 0: a retry after a failed attempt, over the targets not yet tried
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 New keys are placed by the assignment mode -- ``random``, ``min_load`` (fewest
 outstanding) or ``min_group`` (fewest keys already stuck to it). A key moves
-only when its target leaves the snapshot (removed or unhealthy); keys idle
+only when its target leaves the snapshot (removed or unhealthy; a retry
+elsewhere after one failed attempt leaves the key where it was); keys idle
 longer than ``key_ttl`` are forgotten. Requests with no key go to the least
 loaded target.
 """
@@ -36,6 +37,8 @@ class Manual:
         held = self.sticky.get(key)
         if held is not None and held[0] in targets:
             target = held[0]
+        elif held is not None and request.attempt > 0:
+            return self._assign(targets)  # one failed attempt does not move the key for good
         else:
             if held is not None:
                 self.group[held[0].label] -= 1

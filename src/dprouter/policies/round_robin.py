@@ -1,8 +1,12 @@
-"""``round_robin``: one counter over the flat slot space of the snapshot."""
+"""``round_robin``: one counter over the flat slot space of each pool.
+
+One counter per pool (role, model, dialect): a shared counter would alias --
+traffic alternating between two pools would land on the same index of each.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from dprouter.policies.base import PolicyOptions, RequestInfo
 from dprouter.targets import Target
@@ -12,9 +16,9 @@ class RoundRobin:
     name = "round_robin"
 
     def __init__(self, options: PolicyOptions) -> None:
-        self.n = 0
+        self.counters: dict[Hashable, int] = {}
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
-        target = targets[self.n % len(targets)]
-        self.n += 1
-        return target
+        n = self.counters.get(request.pool, 0)
+        self.counters[request.pool] = n + 1
+        return targets[n % len(targets)]

@@ -1,0 +1,124 @@
+"""Passing an engine's answer back to the client, unchanged and unbuffered.
+
+A non-stream answer is read whole, then sent; if reading it fails nothing has
+reached the client yet, so ``UpstreamBroke`` lets the caller try elsewhere.
+An SSE stream is written read by read as it arrives; if the engine breaks it
+off, the client gets an error event (on a line of its own) and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from dprouter.metrics import TargetSeries
+from dprouter.targets import Target
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "host",
+    }
+)
+TARGET_HEADER = "x-dprouter-target"
+
+
+class UpstreamBroke(Exception):
+    """The engine failed before any byte reached the client."""
+
+
+def error_body(status: int, message: str, etype: str, param: str | None = None) -> bytes:
+    error = {"message": message, "type": etype, "param": param, "code": status}
+    return orjson.dumps({"error": error})
+
+
+def error(
+    status: int,
+    message: str,
+    etype: str,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    body = error_body(status, message, etype, param)
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def sse_error(status: int, message: str, etype: str) -> bytes:
+    return b"data: " + error_body(status, message, etype) + b"\n\ndata: [DONE]\n\n"
+
+
+async def relay(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    target: Target,
+    series: TargetSeries,
+    started: float,
+) -> web.StreamResponse:
+    """Answer ``request`` with ``upstream``; always closes or releases ``upstream``."""
+    loop = asyncio.get_running_loop()
+    headers: dict[str, Any] = {
+        k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP
+    }
+    headers[TARGET_HEADER] = target.label
+    done = False
+    try:
+        if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+            try:
+                body = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise UpstreamBroke(f"{type(exc).__name__} {exc}") from exc
+            series.first_byte.observe(loop.time() - started)
+            resp: web.StreamResponse = web.Response(
+                status=upstream.status, body=body, headers=headers
+            )
+        else:
+            resp = web.StreamResponse(status=upstream.status, headers=headers)
+            await resp.prepare(request)
+            await _stream(resp, upstream, target, series, started)
+        done = True
+    finally:
+        if done:
+            upstream.release()
+        else:
+            upstream.close()  # client gone or engine broke: the engine sees the disconnect
+    series.answered(upstream.status)
+    series.duration.observe(loop.time() - started)
+    return resp
+
+
+async def _stream(
+    resp: web.StreamResponse,
+    upstream: aiohttp.ClientResponse,
+    target: Target,
+    series: TargetSeries,
+    started: float,
+) -> None:
+    loop = asyncio.get_running_loop()
+    tail = b"\n\n"  # the last bytes written: an event boundary, or not
+    first = True
+    try:
+        async for chunk in upstream.content.iter_any():
+            if first:
+                series.first_byte.observe(loop.time() - started)
+                first = False
+            await resp.write(chunk)
+            tail = (tail + chunk)[-2:]
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError):
+        series.failed("stream_cut")
+        message = f"upstream {target.label} closed the stream before it finished"
+        gap = b"" if tail == b"\n\n" else b"\n\n"  # end a half-written event first
+        await resp.write(gap + sse_error(502, message, "upstream_error"))
+    await resp.write_eof()
