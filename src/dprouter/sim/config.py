@@ -76,6 +76,35 @@ class Faults:
             raise ValueError("slow rank factors must be > 0")
 
 
+PdMode = Literal["vllm-nixl", "vllm-moriio", "sglang"]
+PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-moriio", "sglang")
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    """A prefill or decode engine of a disaggregated deployment."""
+
+    mode: PdMode
+    role: Literal["prefill", "decode"]
+    transfer_mode: Literal["READ", "WRITE"] = "READ"  # MoRIIO
+    proxy_address: str | None = None  # MoRIIO: where to send registration heartbeats
+    heartbeat: float = 3.0  # MoRIIO: seconds between heartbeats
+    bootstrap_port: int = 0  # SGLang prefill: the bootstrap listener (0: any free port)
+    kv_wait: float = 5.0  # decode: wall seconds to wait for the KV to be produced
+
+    def __post_init__(self) -> None:
+        if self.mode not in PD_MODES:
+            raise ValueError(f"P/D mode must be one of {', '.join(PD_MODES)}")
+        if self.role not in ("prefill", "decode"):
+            raise ValueError("a P/D engine's role is prefill or decode")
+        if self.transfer_mode not in ("READ", "WRITE"):
+            raise ValueError("transfer_mode must be READ or WRITE")
+
+    @property
+    def persona(self) -> Persona:
+        return "sglang" if self.mode == "sglang" else "vllm"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     persona: Persona = "vllm"
@@ -90,8 +119,11 @@ class EngineConfig:
     cost: CostModel = field(default_factory=CostModel)
     limits: RankLimits = field(default_factory=RankLimits)
     faults: Faults = field(default_factory=Faults)
+    pd: PdConfig | None = None  # None: a regular engine
 
     def __post_init__(self) -> None:
+        if self.pd is not None and self.pd.persona != self.persona:
+            raise ValueError(f"P/D mode {self.pd.mode} runs on {self.pd.persona} engines")
         if self.dp_size < 1 or self.tp_size < 1:
             raise ValueError("dp_size and tp_size must be >= 1")
         if self.time_scale <= 0:

@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from dprouter.sim.dispatch import DispatchError
+from dprouter.sim.pd import PdError, decode_ticket, prefill_key, take
 from dprouter.sim.persona import RankError
 from dprouter.sim.protocol import Kind, Parsed, parse
 from dprouter.sim.request import SimRequest
@@ -43,6 +44,8 @@ class Generation:
         self.request = request
         self.kind = kind
         self.headers = {"x-sim-engine": server.engine_id}
+        self.prefill_key: str | None = None  # a prefill keeps its KV under this key
+        self.remote_kv = False  # a decode took its KV from a prefill engine
 
     def fail(
         self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None
@@ -98,13 +101,18 @@ class Generation:
             await asyncio.Event().wait()  # until the client gives up
         room = body.get("bootstrap_room")
         rid = parsed.rid or RID_PREFIX[self.kind] + uuid.uuid4().hex
+        failed = await self.pd_step(body, parsed, rid)
+        if failed is not None:
+            server.record(self.request, body, None)
+            return failed
         req = SimRequest(
             rid,
             parsed.prompt_ids,
-            parsed.max_tokens,
+            1 if self.prefill_key is not None else parsed.max_tokens,  # a prefill stops at one
             server.runner.now(),
             rank,
             room if isinstance(room, int) else None,
+            remote_kv=self.remote_kv,
         )
         try:
             queue = server.runner.submit(req)
@@ -120,6 +128,25 @@ class Generation:
         finally:
             if not req.done:
                 server.runner.abort(req)  # client gone or server stopping: free the rank
+
+    async def pd_step(self, body: Any, parsed: Parsed, rid: str) -> web.Response | None:
+        """Prefill: note where the KV will be kept. Decode: take the KV first."""
+        pd = self.server.config.pd
+        if pd is None:
+            return None
+        try:
+            if pd.role == "prefill":
+                self.prefill_key = prefill_key(pd, body, rid)
+                return None
+            ticket = decode_ticket(pd, body, self.request.headers)
+        except PdError as exc:
+            return self.fail(400, str(exc))
+        try:
+            await take(self.server.session, ticket, prompt_digest(parsed.prompt_ids), pd.kv_wait)
+        except PdError as exc:
+            return self.fail(500, f"KV transfer failed: {exc}", "KVTransferError")
+        self.remote_kv = True
+        return None
 
     async def whole(
         self, req: SimRequest, parsed: Parsed, queue: asyncio.Queue[tuple[int, bool]]
@@ -144,6 +171,10 @@ class Generation:
         else:
             use = usage(req.prompt_len, req.generated, req.cached_tokens)
             body = Render(self.kind, req.rid, self.server.config.model, False).full(text, use)
+        if self.prefill_key is not None:
+            params = self.server.publish_kv(self.prefill_key, req)
+            if params is not None:
+                body["kv_transfer_params"] = params
         return web.json_response(body, headers=self.headers, dumps=_dumps)
 
     async def stream(
@@ -185,6 +216,8 @@ class Generation:
                     await resp.write(sse({"text": text, "meta_info": meta}))
                 else:
                     await resp.write(render.piece(piece, done))
+            if self.prefill_key is not None:
+                self.server.publish_kv(self.prefill_key, req)
             if self.kind == "generate":
                 await resp.write(DONE)
             else:

@@ -116,12 +116,16 @@ class Rank:
                 req.block_hashes = block_hashes(req.prompt_ids, limits.block_size)
             # the last prompt token is always computed, so at most (len-1) tokens hit
             limit = (req.prompt_len - 1) // limits.block_size
-            req.cached_tokens = self.cache.match(req.block_hashes, limit) * limits.block_size
-            req.computed = req.cached_tokens
+            if req.remote_kv:  # transferred from a prefill engine: nothing to compute
+                req.computed = req.prompt_len
+            else:
+                req.cached_tokens = self.cache.match(req.block_hashes, limit) * limits.block_size
+                req.computed = req.cached_tokens
             req.phase = Phase.PREFILL
             req.admitted_at = now
-            self.stats.prefix_queries += req.prompt_len
-            self.stats.prefix_hits += req.cached_tokens
+            if not req.remote_kv:
+                self.stats.prefix_queries += req.prompt_len
+                self.stats.prefix_hits += req.cached_tokens
             self.kv_reserved += req.footprint
             self.kv_used += req.prompt_len
             self.prefilling.append(req)

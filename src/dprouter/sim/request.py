@@ -22,6 +22,7 @@ class SimRequest:
     arrival: float  # virtual seconds
     rank: int | None = None  # pinned rank, then the rank that serves it
     bootstrap_room: int | None = None
+    remote_kv: bool = False  # P/D decode: the prompt's KV came from a prefill engine
     block_hashes: list[int] | None = None  # filled on first admission attempt
     phase: Phase = Phase.WAITING
     cached_tokens: int = 0

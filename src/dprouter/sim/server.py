@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from dprouter.net import bind, url_of
@@ -15,7 +16,9 @@ from dprouter.sim import endpoints
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.engine import Engine
 from dprouter.sim.metrics import vllm_registry
+from dprouter.sim.pd_side import PdSide
 from dprouter.sim.persona import persona_for
+from dprouter.sim.request import SimRequest
 from dprouter.sim.runner import EngineRunner
 
 
@@ -58,6 +61,17 @@ class SimServer:
         self._site: web.SockSite | None = None
         self.engine: Engine
         self.runner: EngineRunner
+        self.pd = PdSide(self, config.pd) if config.pd is not None else None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The client a decode engine takes KV with."""
+        assert self.pd is not None and self.pd.session is not None
+        return self.pd.session
+
+    def publish_kv(self, key: str, req: SimRequest) -> dict[str, Any] | None:
+        assert self.pd is not None
+        return self.pd.publish(key, req)
 
     @property
     def url(self) -> str:
@@ -71,6 +85,8 @@ class SimServer:
             app.add_routes(endpoints.vllm_routes(self))
         else:
             app.add_routes(endpoints.sglang_routes(self))
+        if self.pd is not None:
+            app.add_routes(self.pd.routes())
         return app
 
     async def start(self) -> None:
@@ -79,6 +95,8 @@ class SimServer:
         self.runner.start()
         self.generation_requests = 0
         self.started_at = asyncio.get_running_loop().time()
+        if self.pd is not None:
+            await self.pd.start()
         self._runner = web.AppRunner(
             self._make_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
@@ -91,6 +109,8 @@ class SimServer:
 
     async def stop(self) -> None:
         await self.runner.stop()  # in-flight requests end with an error, not a hang
+        if self.pd is not None:
+            await self.pd.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         self._runner = self._site = None
@@ -108,6 +128,8 @@ class SimServer:
                 if handler.transport is not None:
                     handler.transport.abort()
         await self.runner.stop()
+        if self.pd is not None:
+            await self.pd.stop()
         await self._runner.cleanup()
         self._runner = self._site = None
         self.started.clear()

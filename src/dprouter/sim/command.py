@@ -1,0 +1,175 @@
+"""``dprouter sim``: start simulated engines from the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import replace
+from typing import Any
+
+import click
+
+from dprouter.sim.cluster import SimCluster
+from dprouter.sim.config import (
+    PD_MODES,
+    SGLANG_DISPATCH,
+    EngineConfig,
+    Faults,
+    PdConfig,
+    RankLimits,
+)
+
+
+def build(o: dict[str, Any]) -> list[EngineConfig]:
+    """One config per engine (P/D engines each get their own bootstrap port)."""
+    slow = {int(k): float(v) for k, v in (s.split("=", 1) for s in o["slow_ranks"])}
+    pd = None
+    if o["pd"] or o["role"]:
+        if not (o["pd"] and o["role"]):
+            raise ValueError("--pd and --role go together")
+        pd = PdConfig(
+            mode=o["pd"],
+            role=o["role"],
+            transfer_mode=o["transfer_mode"],
+            proxy_address=o["proxy_address"],
+            bootstrap_port=o["bootstrap_port"],
+            kv_wait=o["kv_wait"],
+        )
+    persona = pd.persona if pd is not None else o["persona"]
+    config = EngineConfig(
+        persona=persona,
+        dp_size=o["dp_size"],
+        tp_size=o["tp_size"],
+        dp_attention=o["dp_attention"],
+        dispatch=o["dispatch"],
+        stats_interval=o["stats_interval"],
+        reserve_locally=o["reserve_locally"],
+        model=o["model"],
+        time_scale=o["time_scale"],
+        limits=RankLimits(
+            max_running=o["max_running"], kv_tokens=o["kv_tokens"], max_model_len=o["max_model_len"]
+        ),
+        faults=Faults(slow_ranks=slow, fail_rate=o["fail_rate"]),
+        pd=pd,
+    )
+    configs = []
+    for i in range(o["engines"]):
+        if pd is not None and pd.bootstrap_port:
+            configs.append(replace(config, pd=replace(pd, bootstrap_port=pd.bootstrap_port + i)))
+        else:
+            configs.append(config)
+    return configs
+
+
+@click.command()
+@click.option("--persona", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True)
+@click.option("--engines", type=click.IntRange(1, 256), default=1, show_default=True)
+@click.option("--dp-size", type=click.IntRange(1, 1024), default=1, show_default=True)
+@click.option("--tp-size", type=click.IntRange(1, 64), default=1, show_default=True)
+@click.option("--dp-attention", is_flag=True, help="Ranks of an engine step in lock-step.")
+@click.option(
+    "--dispatch",
+    type=click.Choice(SGLANG_DISPATCH),
+    default=None,
+    help="SGLang internal balancer (default round_robin).",
+)
+@click.option(
+    "--stats-interval",
+    type=click.FloatRange(min=0),
+    default=0.1,
+    show_default=True,
+    help="vLLM: seconds between published rank counts.",
+)
+@click.option(
+    "--reserve-locally",
+    is_flag=True,
+    help="vLLM: count own picks between published counts (vLLM >= 0.10).",
+)
+@click.option(
+    "--time-scale",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Wall seconds per simulated second.",
+)
+@click.option("--model", default="sim-model", show_default=True)
+@click.option("--max-running", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--kv-tokens", type=click.IntRange(min=2), default=400_000, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=2), default=32_768, show_default=True)
+@click.option(
+    "--slow-rank",
+    "slow_ranks",
+    multiple=True,
+    metavar="RANK=FACTOR",
+    help="Multiply one rank's step cost, e.g. 3=4.0.",
+)
+@click.option("--fail-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option("--pd", type=click.Choice(PD_MODES), default=None, help="P/D flow of this engine.")
+@click.option("--role", type=click.Choice(["prefill", "decode"]), default=None)
+@click.option(
+    "--transfer-mode",
+    type=click.Choice(["READ", "WRITE"]),
+    default="READ",
+    show_default=True,
+    help="MoRIIO transfer mode.",
+)
+@click.option(
+    "--proxy-address",
+    default=None,
+    metavar="tcp://HOST:PORT",
+    help="MoRIIO: send registration heartbeats here.",
+)
+@click.option(
+    "--bootstrap-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="SGLang prefill: first engine's bootstrap port (0: any free port).",
+)
+@click.option(
+    "--kv-wait",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Decode: seconds to wait for the prefill's KV.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8000,
+    show_default=True,
+    help="First engine's port; engine i listens on PORT+i (0: any free port).",
+)
+def sim(host: str, port: int, **options: Any) -> None:
+    """Start N simulated engines with DP ranks and serve until interrupted."""
+    try:
+        configs = build(options)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    asyncio.run(serve_cluster(configs, host, port))
+
+
+async def serve_cluster(configs: list[EngineConfig], host: str, port: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    c = configs[0]
+    prefix = c.persona if c.pd is None else f"{c.pd.role}"
+    try:
+        cluster = SimCluster(configs, host, port, prefix=prefix)
+        await cluster.start()
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    shape = f"dp_size={c.dp_size}" + (" dp_attention" if c.dp_attention else "")
+    for server in cluster.servers:
+        extra = ""
+        if server.pd is not None and server.pd.bootstrap_port:
+            extra = f" bootstrap_port={server.pd.bootstrap_port}"
+        click.echo(f"{server.engine_id} {c.persona} {shape} {server.url}{extra}")
+    click.echo("ready", err=True)
+    try:
+        await stop.wait()
+    finally:
+        await cluster.stop()

@@ -1,0 +1,172 @@
+"""Prefill and decode roles of the simulated engines, one flow at a time.
+
+A prefill engine runs the prompt (one output token), keeps the KV in its
+``KvStore`` under the flow's key and, for vLLM, answers with the
+``kv_transfer_params`` its connector would return. A decode engine must be
+told where the KV is; it takes it from the prefill engine over HTTP
+(``POST /sim/kv/take`` -- the stand-in for NIXL, MoRIIO or SGLang's bootstrap
+transfer) before it decodes, and fails clearly when the pairing is wrong.
+
+Keys and where the decode learns them:
+- vLLM NIXL: the prefill request id; ``kv_transfer_params`` carry ``remote_host``,
+  ``remote_port``, ``remote_engine_id`` (``<engine>-dp<rank>``) and it.
+- vLLM MoRIIO: ``transfer_id``; the prefill address is in ``X-Request-Id``
+  (``___prefill_addr_<zmq>___decode_addr_<zmq>_<uuid>``), the rank in
+  ``remote_dp_rank``.
+- SGLang: ``bootstrap_room`` at ``bootstrap_host:bootstrap_port``; the rank is
+  ``disagg_prefill_dp_rank``, else ``room % prefill dp_size``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from dprouter.sim.config import PdConfig
+from dprouter.sim.kvstore import KvStore
+
+MORIIO_ID = re.compile(r"^___prefill_addr_(?P<p>.+)___decode_addr_(?P<d>.+)_(?P<uid>[0-9a-f]+)$")
+
+
+class PdError(ValueError):
+    """The request cannot run in this engine's P/D role; the message says why."""
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Where a decode request's KV waits, and what it must match."""
+
+    url: str  # the prefill engine's take endpoint
+    key: str
+    rank: int | None
+    engine: str | None
+
+
+def zmq_host_port(address: str) -> tuple[str, int]:
+    """``host:IP,handshake:PORT,notify:PORT`` -> (IP, handshake port)."""
+    parts = dict(p.split(":", 1) for p in address.split(",") if ":" in p)
+    try:
+        return parts["host"], int(parts["handshake"])
+    except (KeyError, ValueError):
+        raise PdError(f"bad MoRIIO zmq address {address!r}") from None
+
+
+def _url(host: str, port: int) -> str:
+    host = host.strip("[]")
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}/sim/kv/take"
+
+
+def _kv(body: Mapping[str, Any]) -> dict[str, Any]:
+    kv = body.get("kv_transfer_params")
+    if not isinstance(kv, dict):
+        raise PdError("a decode instance needs kv_transfer_params: send requests to the router")
+    return kv
+
+
+def _need(kv: Mapping[str, Any], *names: str) -> None:
+    missing = [n for n in names if kv.get(n) is None]
+    if missing:
+        raise PdError(f"kv_transfer_params lacks {', '.join(missing)}")
+
+
+def decode_ticket(pd: PdConfig, body: Mapping[str, Any], headers: Mapping[str, str]) -> Ticket:
+    if pd.mode == "vllm-nixl":
+        kv = _kv(body)
+        if kv.get("do_remote_prefill") is not True:
+            raise PdError("kv_transfer_params must ask for do_remote_prefill")
+        _need(kv, "remote_host", "remote_port", "remote_engine_id", "remote_request_id")
+        return Ticket(
+            _url(kv["remote_host"], int(kv["remote_port"])),
+            str(kv["remote_request_id"]),
+            None,
+            str(kv["remote_engine_id"]),
+        )
+    if pd.mode == "vllm-moriio":
+        kv = _kv(body)
+        _need(kv, "transfer_id", "remote_dp_rank")
+        if pd.transfer_mode == "READ":
+            _need(kv, "remote_engine_id", "remote_block_ids")
+        found = MORIIO_ID.match(headers.get("X-Request-Id", ""))
+        if found is None:
+            raise PdError("X-Request-Id must carry ___prefill_addr_<zmq>___decode_addr_<zmq>_<id>")
+        host, port = zmq_host_port(found["p"])
+        engine = kv.get("remote_engine_id")
+        return Ticket(
+            _url(host, port),
+            str(kv["transfer_id"]),
+            int(kv["remote_dp_rank"]),
+            None if engine is None else str(engine),
+        )
+    _need(body, "bootstrap_host", "bootstrap_port", "bootstrap_room")
+    rank = body.get("disagg_prefill_dp_rank")
+    return Ticket(
+        _url(str(body["bootstrap_host"]), int(body["bootstrap_port"])),
+        str(body["bootstrap_room"]),
+        None if rank is None else int(rank),
+        None,
+    )
+
+
+def prefill_key(pd: PdConfig, body: Mapping[str, Any], rid: str) -> str:
+    """The key the prefill engine keeps its KV under."""
+    if pd.mode == "vllm-nixl":
+        return rid
+    if pd.mode == "vllm-moriio":
+        kv = body.get("kv_transfer_params")
+        if not isinstance(kv, dict) or not kv.get("transfer_id"):
+            raise PdError("a MoRIIO prefill needs kv_transfer_params.transfer_id")
+        return str(kv["transfer_id"])
+    room = body.get("bootstrap_room")
+    if not isinstance(room, int) or isinstance(room, bool):
+        raise PdError("an SGLang prefill needs an integer bootstrap_room")
+    return str(room)
+
+
+def prefill_answer(
+    pd: PdConfig,
+    store: KvStore,
+    key: str,
+    rank: int,
+    host: str,
+    port: int,
+    prompt_tokens: int,
+    tp_size: int,
+) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` a vLLM prefill answers with (SGLang: none)."""
+    blocks = list(range(max(1, -(-prompt_tokens // 16))))
+    common = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": blocks,
+        "remote_engine_id": store.engine_name(rank),
+        "tp_size": tp_size,
+    }
+    if pd.mode == "vllm-nixl":
+        return {**common, "remote_request_id": key, "remote_host": host, "remote_port": port}
+    if pd.mode == "vllm-moriio":
+        return {**common, "transfer_id": key}
+    return None
+
+
+async def take(session: aiohttp.ClientSession, ticket: Ticket, digest: int, wait: float) -> int:
+    """Take the KV from the prefill engine; returns its prompt tokens or raises PdError."""
+    payload = {
+        "key": ticket.key,
+        "rank": ticket.rank,
+        "engine": ticket.engine,
+        "digest": digest,
+        "wait": wait,
+    }
+    try:
+        async with session.post(ticket.url, json=payload) as r:
+            answer = await r.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise PdError(f"cannot reach the prefill engine at {ticket.url}: {exc}") from None
+    if r.status != 200:
+        raise PdError(str(answer.get("error", answer)))
+    return int(answer["prompt_tokens"])
