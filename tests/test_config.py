@@ -101,7 +101,13 @@ def test_toml_file(tmp_path: Path) -> None:
         (RouterConfig(attempts=True), "attempts must be int"),
         (RouterConfig(workers=(WorkerSpec("http://h:1", dp_size=2.5),)), "dp_size must be int"),  # type: ignore[arg-type]
         (RouterConfig(workers=(WorkerSpec(5),)), "url must be a string"),  # type: ignore[arg-type]
-        (RouterConfig(workers=(WorkerSpec("http://h:1", role="prefill"),)), "needs a P/D mode"),
+        (RouterConfig(workers=(WorkerSpec("http://h:1", role="prefill"),)), "need a P/D flow"),
+        (RouterConfig(pd="sglang", workers=(WorkerSpec("http://h:1"),)), "every worker is"),
+        (
+            RouterConfig(pd="vllm-moriio", workers=(WorkerSpec("http://h:1", role="decode"),)),
+            "register themselves over ZMQ",
+        ),
+        (RouterConfig(pd="nixl"), "--pd must be one of"),  # type: ignore[arg-type]
     ],
 )
 def test_wrong_types_and_values_name_the_field(config: RouterConfig, message: str) -> None:

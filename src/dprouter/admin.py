@@ -61,6 +61,7 @@ def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
         rank_offset=spec.rank_offset,
         model=spec.model,
         bootstrap_port=spec.bootstrap_port,
+        tp_size=spec.tp_size,
     )
 
 

@@ -21,10 +21,13 @@ from dprouter.config import RouterConfig, validate
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
+from dprouter.pd.proxy import PairProxy
+from dprouter.pd.registration import Registration
 from dprouter.policies import Policy, make_policy
 from dprouter.proxy import Proxy
 from dprouter.registry import Registry
 from dprouter.relay import error
+from dprouter.targets import Role
 
 log = logging.getLogger("dprouter")
 
@@ -36,7 +39,8 @@ class Parts:
     policy: Policy
     monitor: Monitor
     metrics: RouterMetrics
-    proxy: Proxy | None = None  # made at start-up, with the upstream session
+    proxy: Proxy | PairProxy | None = None  # made at start-up, with the upstream session
+    registration: Registration | None = None  # MoRIIO instances register here
 
 
 PARTS = web.AppKey("dprouter", Parts)
@@ -88,9 +92,13 @@ def build_app(
         return web.json_response({"status": "ok"})
 
     async def readiness(_: web.Request) -> web.Response:
-        if parts.registry.snapshot.workers:
+        snapshot = parts.registry.snapshot
+        roles: tuple[Role, ...] = ("prefill", "decode") if config.pd else ("regular",)
+        if all(snapshot.pool(role) for role in roles):
             return web.json_response({"status": "ready"})
-        return error(503, "no worker is ready yet", "ServiceUnavailableError")
+        return error(
+            503, f"no ready worker yet for {' and '.join(roles)}", "ServiceUnavailableError"
+        )
 
     async def metrics(_: web.Request) -> web.Response:
         body = generate_latest(parts.metrics.prom)
@@ -119,18 +127,36 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         total=None, sock_connect=config.connect_timeout, sock_read=config.read_timeout or None
     )
     session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
-    parts.proxy = Proxy(
-        config,
-        parts.registry,
-        parts.policy,
-        parts.metrics,
-        session,
-        unreachable=parts.monitor.suspect,
-    )
+    if config.pd == "vllm-moriio":
+        parts.registration = Registration(
+            parts.registry, config.registration, config.heartbeat_timeout
+        )
+        await parts.registration.start()
+    if config.pd is not None:
+        parts.proxy = PairProxy(
+            config,
+            parts.registry,
+            make_policy(config.role_policy("prefill"), config.policy_options()),
+            make_policy(config.role_policy("decode"), config.policy_options()),
+            parts.metrics,
+            session,
+            parts.monitor.suspect,
+        )
+    else:
+        parts.proxy = Proxy(
+            config,
+            parts.registry,
+            parts.policy,
+            parts.metrics,
+            session,
+            unreachable=parts.monitor.suspect,
+        )
     await parts.monitor.start()
     try:
         yield
     finally:
+        if parts.registration is not None:
+            await parts.registration.stop()
         await parts.monitor.stop()
         await session.close()
 

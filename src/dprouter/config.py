@@ -20,6 +20,8 @@ from dprouter.policies import POLICIES, PolicyOptions
 from dprouter.targets import ROLES, DialectName, Role, normalise_url
 
 DpAware = Literal["auto", "on", "off"]
+PdMode = Literal["vllm-nixl", "vllm-moriio", "sglang"]
+PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-moriio", "sglang")
 
 
 class ConfigError(ValueError):
@@ -35,7 +37,8 @@ class WorkerSpec:
     dp_size: int | None = None
     rank_offset: int | None = None
     model: str | None = None
-    bootstrap_port: int | None = None
+    bootstrap_port: int | None = None  # SGLang prefill; None: as /server_info reports it
+    tp_size: int | None = None  # P/D peers are told it (MoRIIO); None: as discovered, else 1
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,20 @@ class RouterConfig:
     load_interval: float = 1.0  # seconds between scrapes of engine-reported load; 0: off
     startup_timeout: float = 10.0  # serve waits this long for discovery before listening
     admin_token: str | None = None  # None: the admin API is off
+    pd: PdMode | None = None  # P/D disaggregation flow, chosen once; None: regular workers
+    prefill_policy: str | None = None  # None: --policy (round_robin)
+    decode_policy: str | None = None
+    registration: str = "tcp://127.0.0.1:36367"  # MoRIIO engines register here (ZMQ)
+    heartbeat_timeout: float = 10.0  # MoRIIO: an instance silent this long is expired
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def policy_name(self) -> str:
         return self.policy or "round_robin"
+
+    def role_policy(self, role: Role) -> str:
+        chosen = {"prefill": self.prefill_policy, "decode": self.decode_policy}.get(role)
+        return chosen or self.policy_name
 
     def policy_options(self) -> PolicyOptions:
         return PolicyOptions(
@@ -129,7 +141,23 @@ def validate(config: RouterConfig) -> RouterConfig:
         )
     if config.attempts < 1:
         raise ConfigError("--attempts must be at least 1")
+    for name in ("prefill_policy", "decode_policy"):
+        chosen = getattr(config, name)
+        if chosen is not None and chosen not in POLICIES:
+            raise ConfigError(f"unknown {name} {chosen!r}; choose one of {', '.join(POLICIES)}")
+    if config.pd is not None and config.pd not in PD_MODES:
+        raise ConfigError(f"--pd must be one of {', '.join(PD_MODES)}, got {config.pd!r}")
     workers = [check_worker(spec) for spec in config.workers]
+    roles = {w.role for w in workers}
+    if config.pd is None and roles - {"regular"}:
+        raise ConfigError("prefill and decode workers need a P/D flow: add --pd")
+    if config.pd is not None and "regular" in roles:
+        raise ConfigError(f"with --pd {config.pd} every worker is --prefill or --decode")
+    if config.pd == "vllm-moriio" and workers:
+        raise ConfigError(
+            "MoRIIO instances register themselves over ZMQ (their handshake addresses come "
+            f"with it): point them at --registration {config.registration}, list no workers"
+        )
     urls = [w.url for w in workers]
     for url in urls:
         if urls.count(url) > 1:
@@ -153,10 +181,6 @@ def check_worker(spec: WorkerSpec) -> WorkerSpec:
     check_types(spec, f"worker {url}: ")
     if spec.role not in ROLES:
         raise ConfigError(f"worker {url}: role must be one of {', '.join(ROLES)}")
-    if spec.role != "regular":
-        raise ConfigError(
-            f"worker {url}: role {spec.role} needs a P/D mode, which is not built yet"
-        )
     if spec.dialect not in (None, "vllm", "sglang"):
         raise ConfigError(f"worker {url}: dialect must be auto, vllm or sglang")
     if spec.dp_size is not None and spec.dp_size < 1:

@@ -34,6 +34,9 @@ class Discovered:
     rank_offset: int
     dp_attention: bool
     models: tuple[str, ...]
+    tp_size: int | None = None
+    bootstrap_port: int | None = None  # SGLang prefill
+    role: str | None = None  # SGLang's disaggregation_mode, when it says
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
@@ -94,16 +97,7 @@ async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
             ranks = info.get("dp_size")
             if not isinstance(ranks, int) or ranks < 1:
                 raise DiscoveryError(f"{base}/server_info reports dp_size {ranks!r}")
-            return _settle(
-                worker,
-                Discovered(
-                    "sglang",
-                    ranks,
-                    0,
-                    bool(info.get("enable_dp_attention")),
-                    await models(session, base),
-                ),
-            )
+            return _settle(worker, sglang_found(info, ranks, await models(session, base)))
         if worker.dialect == "sglang" and worker.dp_size is None:
             raise DiscoveryError(f"{base} answers neither /server_info nor /get_server_info")
     if worker.dialect in (None, "vllm"):
@@ -126,7 +120,31 @@ async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
     )
 
 
+def sglang_found(info: dict[str, Any], ranks: int, served: tuple[str, ...]) -> Discovered:
+    mode = info.get("disaggregation_mode")
+    port = info.get("disaggregation_bootstrap_port")
+    tp = info.get("tp_size")
+    return Discovered(
+        "sglang",
+        ranks,
+        0,
+        bool(info.get("enable_dp_attention")),
+        served,
+        tp_size=tp if isinstance(tp, int) else None,
+        bootstrap_port=port if isinstance(port, int) else None,
+        role=mode if mode in ("prefill", "decode") else None,
+    )
+
+
 def _settle(worker: Worker, found: Discovered) -> Discovered:
+    if found.role is not None and worker.role != "regular" and found.role != worker.role:
+        raise Contradiction(f"{worker.url} is configured as {worker.role} but is a {found.role}")
+    prefill = worker.role == "prefill" and found.dialect == "sglang"
+    if prefill and worker.bootstrap_port is None and found.bootstrap_port is None:
+        raise Contradiction(
+            f"{worker.url} is an SGLang prefill worker with no bootstrap port: give it "
+            "bootstrap_port=N"
+        )
     if worker.dialect is not None and worker.dialect != found.dialect:
         raise Contradiction(
             f"{worker.url} is configured {worker.dialect} but answers as {found.dialect}"
@@ -146,3 +164,6 @@ def apply(worker: Worker, found: Discovered) -> None:
         worker.rank_offset = found.rank_offset
     worker.dp_attention = found.dp_attention
     worker.models = found.models
+    worker.tp_size = worker.tp_size or found.tp_size or 1
+    if worker.bootstrap_port is None:
+        worker.bootstrap_port = found.bootstrap_port

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from dprouter.registry import Registry
 from dprouter.targets import Target
 
-TARGET = ["worker", "dp_rank"]
+TARGET = ["role", "worker", "dp_rank"]
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -37,8 +37,8 @@ class _Live(Collector):
         for w in self.registry.workers.values():
             ready.add_metric([w.id], 1.0 if w.ready else 0.0)
             for t in w.targets:
-                outstanding.add_metric([w.id, t.rank_label], t.outstanding)
-                reported.add_metric([w.id, t.rank_label], t.reported)
+                outstanding.add_metric([w.role, w.id, t.rank_label], t.outstanding)
+                reported.add_metric([w.role, w.id, t.rank_label], t.reported)
         yield outstanding
         yield reported
         yield ready
@@ -48,7 +48,7 @@ class TargetSeries:
     """One target's children of the labelled series, looked up once and kept."""
 
     def __init__(self, metrics: RouterMetrics, target: Target) -> None:
-        labels = (target.worker.id, target.rank_label)
+        labels = (target.worker.role, target.worker.id, target.rank_label)
         self.target = target
         self._labels = labels
         self._metrics = metrics

@@ -30,6 +30,31 @@ HOP_AND_AUTH = HOP_BY_HOP | {"authorization"}  # a client's API key is not the e
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
+Admitted = tuple[bytes, Incoming, dict[str, str], int | None, bool]
+
+
+async def admit(
+    request: web.Request, kind: Kind, config: RouterConfig, metrics: RouterMetrics
+) -> Admitted | web.Response:
+    """Read and check a request: ``(raw body, parsed, headers to forward, rank a trusted
+    client pinned, whether the body changed)``, or the error to answer with."""
+    try:
+        raw = await request.read()
+        incoming = parse(raw, kind, request.headers)
+        dropped = HOP_BY_HOP if config.forward_authorization else HOP_AND_AUTH
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in dropped}
+        if config.trust_client_rank:
+            return raw, incoming, headers, dialects.client_rank(headers, incoming.body), False
+        return raw, incoming, headers, None, dialects.strip_client_rank(headers, incoming.body)
+    except web.HTTPRequestEntityTooLarge:
+        metrics.rejected.labels("too_large").inc()
+        message = f"request body exceeds {config.max_body} bytes"
+        return error(413, message, "invalid_request_error")
+    except BadRequest as exc:
+        metrics.rejected.labels("bad_request").inc()
+        return error(exc.status, exc.message, "invalid_request_error", exc.param)
+
+
 class Proxy:
     def __init__(
         self,
@@ -49,18 +74,10 @@ class Proxy:
 
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
-        try:
-            raw = await request.read()
-            incoming = parse(raw, kind, request.headers)
-            headers = self._headers(request)
-            pinned, changed = self._client_rank(headers, incoming)
-        except web.HTTPRequestEntityTooLarge:
-            self.metrics.rejected.labels("too_large").inc()
-            message = f"request body exceeds {self.config.max_body} bytes"
-            return error(413, message, "invalid_request_error")
-        except BadRequest as exc:
-            self.metrics.rejected.labels("bad_request").inc()
-            return error(exc.status, exc.message, "invalid_request_error", exc.param)
+        admitted = await admit(request, kind, self.config, self.metrics)
+        if isinstance(admitted, web.Response):
+            return admitted
+        raw, incoming, headers, pinned, changed = admitted
         pool = self._pool(kind, incoming, pinned)
         if isinstance(pool, web.Response):
             return pool
@@ -114,17 +131,6 @@ class Proxy:
                     last = f"{target.label}: answer broke off ({exc})"
         self.metrics.rejected.labels("upstream_failed").inc()
         return error(502, f"every attempt failed; last: {last}", "upstream_error")
-
-    def _headers(self, request: web.Request) -> dict[str, str]:
-        dropped = HOP_BY_HOP if self.config.forward_authorization else HOP_AND_AUTH
-        return {k: v for k, v in request.headers.items() if k.lower() not in dropped}
-
-    def _client_rank(self, headers: dict[str, str], incoming: Incoming) -> tuple[int | None, bool]:
-        """A trusted client may pin a rank; otherwise whatever it wrote is removed.
-        Returns the pinned rank and whether the body changed."""
-        if self.config.trust_client_rank:
-            return dialects.client_rank(headers, incoming.body), False
-        return None, dialects.strip_client_rank(headers, incoming.body)
 
     def _pool(
         self, kind: Kind, incoming: Incoming, pinned: int | None

@@ -66,6 +66,7 @@ async def relay(
     target: Target,
     series: TargetSeries,
     started: float,
+    extra: dict[str, str] | None = None,
 ) -> web.StreamResponse:
     """Answer ``request`` with ``upstream``; always closes or releases ``upstream``."""
     loop = asyncio.get_running_loop()
@@ -73,6 +74,7 @@ async def relay(
         k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP
     }
     headers[TARGET_HEADER] = target.label
+    headers.update(extra or {})
     done = False
     try:
         if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):

@@ -12,6 +12,7 @@ import click
 
 from dprouter.app import Router
 from dprouter.config import (
+    PD_MODES,
     ConfigError,
     RouterConfig,
     WorkerSpec,
@@ -22,13 +23,13 @@ from dprouter.config import (
 from dprouter.policies import POLICIES
 
 log = logging.getLogger("dprouter")
-INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port")
+INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port", "tp_size")
 
 
-def parse_worker(text: str) -> WorkerSpec:
+def parse_worker(text: str, role: str = "regular") -> WorkerSpec:
     """``URL[,key=value...]``, e.g. ``http://[::1]:8000,dialect=vllm,dp_size=8``."""
     url, *pairs = text.split(",")
-    raw: dict[str, Any] = {"url": url}
+    raw: dict[str, Any] = {"url": url, "role": role}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
@@ -46,12 +47,16 @@ def make_config(
 ) -> RouterConfig:
     """File values first; options given on the command line override them."""
     values: dict[str, Any] = load_file(config_file) if config_file else {}
+    by_role = [
+        parse_worker(w, role) for role in ("prefill", "decode") for w in options.pop(f"{role}s")
+    ]
     for name, value in options.items():
         if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
             values[name] = value
         else:
             values.setdefault(name, value)
-    values["workers"] = (*values.get("workers", ()), *(parse_worker(w) for w in workers))
+    listed = (*(parse_worker(w) for w in workers), *by_role)
+    values["workers"] = (*values.get("workers", ()), *listed)
     return validate(RouterConfig(**values))
 
 
@@ -68,6 +73,34 @@ def make_config(
     "config_file",
     type=click.Path(exists=True, path_type=Path),
     help="TOML file with router options and [[workers]] tables.",
+)
+@click.option(
+    "--pd", type=click.Choice(PD_MODES), default=None, help="Prefill/decode disaggregation flow."
+)
+@click.option(
+    "--prefill",
+    "prefills",
+    multiple=True,
+    metavar="URL[,key=value...]",
+    help="A prefill engine (SGLang: bootstrap_port=N unless /server_info says).",
+)
+@click.option(
+    "--decode", "decodes", multiple=True, metavar="URL[,key=value...]", help="A decode engine."
+)
+@click.option("--prefill-policy", type=click.Choice(list(POLICIES)), default=None)
+@click.option("--decode-policy", type=click.Choice(list(POLICIES)), default=None)
+@click.option(
+    "--registration",
+    default="tcp://127.0.0.1:36367",
+    show_default=True,
+    help="MoRIIO: the ZMQ address instances register at.",
+)
+@click.option(
+    "--heartbeat-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="MoRIIO: expire an instance silent this long.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
@@ -146,7 +179,7 @@ def serve(
         raise click.UsageError(str(exc)) from None
     except TypeError as exc:
         raise click.UsageError(f"bad option in the configuration: {exc}") from None
-    if not config.workers and not config.admin_token:
+    if not config.workers and not config.admin_token and config.pd != "vllm-moriio":
         raise click.UsageError("no --worker given and no --admin-token to add workers later")
     asyncio.run(run(config))
 

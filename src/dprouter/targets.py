@@ -41,6 +41,9 @@ class Worker:
     rank_offset: int | None = None  # vLLM hybrid LB: first global rank behind this endpoint
     model: str | None = None  # configured model name, if any
     bootstrap_port: int | None = None  # SGLang P/D prefill
+    tp_size: int | None = None
+    zmq_address: str | None = None  # MoRIIO: "host:IP,handshake:PORT,notify:PORT"
+    transfer_mode: str | None = None  # MoRIIO: READ or WRITE
     # learnt by discovery
     ranks: int = 0  # DP ranks this endpoint takes (0: not discovered yet)
     dp_attention: bool = False

@@ -1,0 +1,126 @@
+"""What every P/D flow shares: the request in hand, sending one leg, failing a pair."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from dprouter import dialects
+from dprouter.metrics import RouterMetrics
+from dprouter.parse import Incoming
+from dprouter.relay import UpstreamBroke, relay
+from dprouter.targets import Target, Worker
+
+Side = Literal["prefill", "decode"]
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+PREFILL_HEADER = "x-dprouter-prefill"
+
+
+class PairFailed(Exception):
+    """One leg failed before any byte reached the client: the pair may be chosen again."""
+
+    def __init__(self, side: Side, target: Target, cause: str, message: str) -> None:
+        super().__init__(f"{side} {target.label}: {message}")
+        self.side = side
+        self.target = target
+        self.cause = cause
+
+
+@dataclass
+class Call:
+    """One client request on its way through a P/D flow."""
+
+    request: web.Request
+    incoming: Incoming
+    headers: dict[str, str]  # to forward (hop-by-hop, Authorization and client ranks gone)
+    started: float
+    session: aiohttp.ClientSession
+    metrics: RouterMetrics
+    unreachable: Any  # Callable[[Worker], None]: a refused connection takes a worker out
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.incoming.body
+
+    def gone(self, worker: Worker) -> None:
+        self.unreachable(worker)
+
+    async def send(
+        self,
+        side: Side,
+        target: Target,
+        body: dict[str, Any],
+        headers: dict[str, str] | None = None,
+    ) -> aiohttp.ClientResponse:
+        """Post one leg with the target's rank in its dialect; a connection that fails or a
+        retryable status raises ``PairFailed``; any other answer is returned."""
+        sent, payload = {**self.headers, **(headers or {})}, dict(body)
+        dialects.write_rank(target.worker.dialect or "vllm", target.rank, sent, payload)
+        url = target.worker.url + self.request.path_qs
+        try:
+            resp = await self.session.post(url, data=orjson.dumps(payload), headers=sent)
+        except aiohttp.ClientConnectorError as exc:
+            self.gone(target.worker)
+            raise PairFailed(side, target, "connect", f"cannot connect ({exc.os_error})") from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise PairFailed(side, target, "no_answer", f"{type(exc).__name__} {exc}") from exc
+        if resp.status in RETRY_STATUS:
+            text = await _text(resp)
+            raise PairFailed(side, target, f"status_{resp.status}", f"HTTP {resp.status} {text}")
+        return resp
+
+    async def drain(self, target: Target, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole answer of a prefill leg."""
+        try:
+            async with resp:
+                return await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise PairFailed("prefill", target, "broken_body", f"answer broke off: {exc}") from exc
+
+    async def prefill_answer(self, target: Target, resp: aiohttp.ClientResponse) -> Any:
+        """The whole answer of a prefill leg, as JSON."""
+        raw = await self.drain(target, resp)
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise PairFailed("prefill", target, "broken_body", f"answer unreadable: {exc}") from exc
+
+    async def finish(
+        self, decode: Target, upstream: aiohttp.ClientResponse, prefill: Target
+    ) -> web.StreamResponse:
+        """Relay the decode leg's answer to the client."""
+        try:
+            resp = await relay(
+                self.request,
+                upstream,
+                decode,
+                self.metrics.series(decode),
+                self.started,
+                {PREFILL_HEADER: prefill.label},
+            )
+        except UpstreamBroke as exc:
+            raise PairFailed("decode", decode, "broken_body", str(exc)) from exc
+        return resp
+
+
+async def _text(resp: aiohttp.ClientResponse) -> str:
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async with resp:
+            return (await resp.text())[:200]
+    return ""
+
+
+async def cancel(task: asyncio.Task[Any]) -> None:
+    """Stop a leg that is no longer wanted, closing its connection."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is None:
+        result = task.result()
+        if isinstance(result, aiohttp.ClientResponse):
+            result.close()

@@ -1,0 +1,125 @@
+"""The P/D request path: pick a prefill target and a decode target, run the flow.
+
+Each role has its own policy over its own flat slot space (workers of one role
+may differ in dp and tp). Every full cycle of the pair space -- the least
+common multiple of the two pools' sizes -- the decode pool is offered rotated
+by one, so round robin on both sides walks every (prefill, decode) pair
+instead of locking prefill i to decode i. Before the first byte reaches the
+client a failed pair is chosen again without the target that failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from functools import partial
+
+import aiohttp
+from aiohttp import web
+
+from dprouter.config import RouterConfig
+from dprouter.metrics import RouterMetrics
+from dprouter.parse import Kind
+from dprouter.pd import moriio, nixl, sglang
+from dprouter.pd.call import Call, PairFailed, Side
+from dprouter.policies import Policy, RequestInfo
+from dprouter.proxy import admit
+from dprouter.registry import Registry
+from dprouter.relay import error
+from dprouter.targets import Target, Worker
+
+Flow = Callable[[Call, Target, Target], Awaitable[web.StreamResponse]]
+
+
+class PairProxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: Registry,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        unreachable: Callable[[Worker], None],
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.metrics = metrics
+        self.session = session
+        self.unreachable = unreachable
+        self.pairs = 0
+        flows: dict[str, Flow] = {
+            "vllm-nixl": nixl.run,
+            "vllm-moriio": moriio.run,
+            "sglang": partial(sglang.run, rng=random.Random(config.seed)),
+        }
+        assert config.pd is not None
+        self.flow = flows[config.pd]
+
+    async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        started = asyncio.get_running_loop().time()
+        admitted = await admit(request, kind, self.config, self.metrics)
+        if isinstance(admitted, web.Response):
+            return admitted
+        _, incoming, headers, _, _ = admitted
+        if kind == "generate" and self.config.pd != "sglang":
+            return error(
+                404,
+                f"/generate is SGLang's own; this router runs {self.config.pd}",
+                "NotFoundError",
+            )
+        pools = self._pools(incoming.model)
+        if isinstance(pools, web.Response):
+            return pools
+        call = Call(
+            request, incoming, headers, started, self.session, self.metrics, self.unreachable
+        )
+        info = RequestInfo(incoming.key, incoming.text, incoming.tokens, started)
+        tried: dict[Side, list[Target]] = {"prefill": [], "decode": []}
+        last = "no attempt was made"
+        for attempt in range(self.config.attempts):
+            prefills = [t for t in pools[0] if t not in tried["prefill"]]
+            decodes = [t for t in pools[1] if t not in tried["decode"]]
+            if not prefills or not decodes:
+                break
+            prefill, decode = self.pair(
+                prefills, decodes, replace(info, attempt=attempt), incoming.model
+            )
+            try:
+                return await self.flow(call, prefill, decode)
+            except PairFailed as failed:
+                self.metrics.series(failed.target).failed(failed.cause)
+                tried[failed.side].append(failed.target)
+                last = str(failed)
+        self.metrics.rejected.labels("upstream_failed").inc()
+        return error(502, f"every prefill/decode pair failed; last: {last}", "upstream_error")
+
+    def pair(
+        self,
+        prefills: Sequence[Target],
+        decodes: Sequence[Target],
+        info: RequestInfo,
+        model: str | None,
+    ) -> tuple[Target, Target]:
+        n, self.pairs = self.pairs, self.pairs + 1
+        shift = (n // math.lcm(len(prefills), len(decodes))) % len(decodes)
+        rotated = [*decodes[shift:], *decodes[:shift]]
+        prefill = self.policies["prefill"].select(prefills, replace(info, pool=("prefill", model)))
+        decode = self.policies["decode"].select(rotated, replace(info, pool=("decode", model)))
+        return prefill, decode
+
+    def _pools(self, model: str | None) -> tuple[Sequence[Target], Sequence[Target]] | web.Response:
+        snapshot = self.registry.snapshot
+        prefills, decodes = snapshot.pool("prefill", model), snapshot.pool("decode", model)
+        if prefills and decodes:
+            return prefills, decodes
+        if model is not None and snapshot.pool("prefill") and snapshot.pool("decode"):
+            self.metrics.rejected.labels("unknown_model").inc()
+            return error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        self.metrics.rejected.labels("no_target").inc()
+        missing = "prefill" if not prefills else "decode"
+        return error(503, f"no ready {missing} worker to route to", "ServiceUnavailableError")
