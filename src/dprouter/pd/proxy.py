@@ -1,17 +1,14 @@
 """The P/D request path: pick a prefill target and a decode target, run the flow.
 
 Each role has its own policy over its own flat slot space (workers of one role
-may differ in dp and tp). Every full cycle of the pair space -- the least
-common multiple of the two pools' sizes -- the decode pool is offered rotated
-by one, so round robin on both sides walks every (prefill, decode) pair
-instead of locking prefill i to decode i. Before the first byte reaches the
-client a failed pair is chosen again without the target that failed.
+may differ in dp and tp); ``Pairing`` keeps the two from locking together.
+Before the first byte reaches the client a failed pair is chosen again
+without the target that failed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
@@ -25,6 +22,7 @@ from dprouter.metrics import RouterMetrics
 from dprouter.parse import Kind
 from dprouter.pd import moriio, nixl, sglang
 from dprouter.pd.call import Call, PairFailed, Side
+from dprouter.pd.pairing import Pairing
 from dprouter.policies import Policy, RequestInfo
 from dprouter.proxy import admit
 from dprouter.registry import Registry
@@ -47,11 +45,10 @@ class PairProxy:
     ) -> None:
         self.config = config
         self.registry = registry
-        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.pairing = Pairing(prefill_policy, decode_policy)
         self.metrics = metrics
         self.session = session
         self.unreachable = unreachable
-        self.pairs = 0
         flows: dict[str, Flow] = {
             "vllm-nixl": nixl.run,
             "vllm-moriio": moriio.run,
@@ -86,7 +83,7 @@ class PairProxy:
             decodes = [t for t in pools[1] if t not in tried["decode"]]
             if not prefills or not decodes:
                 break
-            prefill, decode = self.pair(
+            prefill, decode = self.pairing.choose(
                 prefills, decodes, replace(info, attempt=attempt), incoming.model
             )
             try:
@@ -97,20 +94,6 @@ class PairProxy:
                 last = str(failed)
         self.metrics.rejected.labels("upstream_failed").inc()
         return error(502, f"every prefill/decode pair failed; last: {last}", "upstream_error")
-
-    def pair(
-        self,
-        prefills: Sequence[Target],
-        decodes: Sequence[Target],
-        info: RequestInfo,
-        model: str | None,
-    ) -> tuple[Target, Target]:
-        n, self.pairs = self.pairs, self.pairs + 1
-        shift = (n // math.lcm(len(prefills), len(decodes))) % len(decodes)
-        rotated = [*decodes[shift:], *decodes[:shift]]
-        prefill = self.policies["prefill"].select(prefills, replace(info, pool=("prefill", model)))
-        decode = self.policies["decode"].select(rotated, replace(info, pool=("decode", model)))
-        return prefill, decode
 
     def _pools(self, model: str | None) -> tuple[Sequence[Target], Sequence[Target]] | web.Response:
         snapshot = self.registry.snapshot

@@ -1,0 +1,113 @@
+"""What each P/D flow writes, and how pairs are chosen: pure, exact."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from dprouter.pd import wire
+from dprouter.pd.pairing import Pairing
+from dprouter.policies import RequestInfo, make_policy
+from dprouter.sim.pd import MORIIO_ID
+from dprouter.targets import Role, Target, Worker
+
+CLIENT = {
+    "model": "m",
+    "prompt": "hello",
+    "max_tokens": 8,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "min_tokens": 2,
+}
+
+
+def target(role: Role, n: int, dp: int, rank: int | None, **kw: Any) -> Target:
+    w = Worker(
+        id=f"{role[0]}{n}", url=f"http://10.0.0.{n + 1}:{8000 + n}", role=role, dialect="vllm", **kw
+    )
+    w.ranks, w.tp_size = dp, 8 if dp == 1 else 1
+    return Target(w, rank)
+
+
+def test_nixl_prefill_asks_for_remote_decode_and_one_token() -> None:
+    body = wire.nixl_prefill({**CLIENT, "max_completion_tokens": 8})
+    assert (body["max_tokens"], body["max_completion_tokens"], body["stream"]) == (1, 1, False)
+    assert "stream_options" not in body and "min_tokens" not in body
+    assert body["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert CLIENT["max_tokens"] == 8  # the client's body is left alone
+    kv = {"remote_engine_id": "e-dp3", "remote_block_ids": [1, 2], "anything": {"x": 1}}
+    assert wire.nixl_decode(CLIENT, kv) == {**CLIENT, "kv_transfer_params": kv}
+
+
+def test_moriio_fields_and_request_id() -> None:
+    p = target("prefill", 0, 8, 5, zmq_address="host:10.0.0.1,handshake:7000,notify:7001")
+    d = target("decode", 1, 1, None, zmq_address="host:10.0.0.2,handshake:7100,notify:7101")
+    rid = wire.moriio_request_id(p, d)
+    found = MORIIO_ID.match(rid)
+    assert found is not None
+    assert (found["p"], found["d"]) == (p.worker.zmq_address, d.worker.zmq_address)
+    pre = wire.moriio_prefill(CLIENT, "tx-1", d)
+    assert pre["kv_transfer_params"]["transfer_id"] == "tx-1"
+    assert (
+        pre["kv_transfer_params"]["remote_dp_size"],
+        pre["kv_transfer_params"]["remote_tp_size"],
+    ) == (1, 8)
+    read = wire.moriio_decode(
+        CLIENT,
+        "tx-1",
+        p,
+        {"remote_engine_id": "e", "remote_block_ids": [7], "remote_hosts": ["a", "b"]},
+    )
+    kv = read["kv_transfer_params"]
+    assert (kv["do_remote_prefill"], kv["remote_dp_rank"], kv["remote_dp_size"]) == (True, 5, 8)
+    assert (kv["remote_block_ids"], kv["remote_hosts"], read["max_tokens"]) == ([7], ["a", "b"], 7)
+    write = wire.moriio_decode(CLIENT, "tx-1", p, None)
+    assert "remote_block_ids" not in write["kv_transfer_params"]
+    omitted = {k: v for k, v in CLIENT.items() if k != "max_tokens"}
+    assert "max_tokens" not in wire.moriio_decode(omitted, "tx", p, None)  # left to the engine
+    assert wire.moriio_decode({**CLIENT, "max_tokens": 1}, "tx", p, None)["max_tokens"] == 1
+
+
+@pytest.mark.parametrize(("dp", "rank"), [(8, 0), (8, 5), (3, 2), (1, None)])
+def test_sglang_room_agrees_with_follow_bootstrap_room(dp: int, rank: int | None) -> None:
+    p = target("prefill", 0, dp, rank, bootstrap_port=8998)
+    d = target("decode", 1, 4, 3)
+    rng = random.Random(1)
+    for _ in range(200):
+        room = wire.sglang_room(p, rng)
+        assert 0 <= room < 1 << 63
+        if rank is not None:
+            assert room % dp == rank
+    pre, dec = wire.sglang_bodies(CLIENT, p, d, room)
+    assert (pre["bootstrap_host"], pre["bootstrap_port"], pre["bootstrap_room"]) == (
+        "10.0.0.1",
+        8998,
+        room,
+    )
+    assert dec["routed_dp_rank"] == dec["data_parallel_rank"] == 3
+    if rank is not None:
+        assert pre["routed_dp_rank"] == dec["disagg_prefill_dp_rank"] == rank
+    else:
+        assert "routed_dp_rank" not in pre and "disagg_prefill_dp_rank" not in dec
+
+
+@pytest.mark.parametrize(("p_slots", "d_slots"), [(2, 2), (2, 4), (3, 2), (1, 8), (16, 1), (4, 6)])
+def test_pairs_cover_every_combination_and_each_side_evenly(p_slots: int, d_slots: int) -> None:
+    pairing = Pairing(make_policy("round_robin"), make_policy("round_robin"))
+    prefills = [target("prefill", 0, p_slots, i) for i in range(p_slots)]
+    decodes = [target("decode", 1, d_slots, i) for i in range(d_slots)]
+    n = 2 * p_slots * d_slots
+    pairs = [pairing.choose(prefills, decodes, RequestInfo()) for _ in range(n)]
+    assert set(Counter(pairs).values()) == {2}  # every (prefill, decode) pair, twice
+    assert set(Counter(p for p, _ in pairs).values()) == {2 * d_slots}
+    assert set(Counter(d for _, d in pairs).values()) == {2 * p_slots}
