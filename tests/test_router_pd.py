@@ -1,0 +1,255 @@
+"""P/D through the router against simulated prefill and decode engines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from dprouter.app import Router
+from dprouter.config import RouterConfig, WorkerSpec
+from dprouter.sim.config import EngineConfig, Faults, PdConfig, PdMode
+from dprouter.sim.server import SimServer
+from tests.conftest import StartCluster, StartRouter, serving
+from tests.test_router_proxy import PIECES
+
+Shape = tuple[int, int]  # (instances, dp_size)
+PROMPT = {"prompt": "disaggregate me", "max_tokens": 4}
+# RFC #46107 role shapes: TP8 is one rank per instance, DP8EP eight
+SHAPES: dict[str, tuple[Shape, Shape]] = {
+    "1P/1D TP8": ((1, 1), (1, 1)),
+    "2P/2D TP8": ((2, 1), (2, 1)),
+    "4D TP8": ((1, 1), (4, 1)),
+    "1D DP8EP": ((1, 1), (1, 8)),
+    "2P DP8EP": ((2, 8), (1, 1)),
+    "3D DP8EP": ((1, 1), (3, 8)),
+    "2P TP8 -> 1D DP8EP": ((2, 1), (1, 8)),
+    "1P DP8EP -> 1D TP8": ((1, 8), (1, 1)),
+}
+
+
+@dataclass
+class Deployment:
+    router: Router
+    prefills: list[SimServer]
+    decodes: list[SimServer]
+
+
+def engine(mode: PdMode, role: Literal["prefill", "decode"], dp: int, **kw: Any) -> EngineConfig:
+    config = PdConfig(mode=mode, role=role, **kw)
+    return EngineConfig(persona=config.persona, dp_size=dp, pd=config)
+
+
+async def deploy(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    mode: PdMode,
+    p: Shape,
+    d: Shape,
+    transfer: str = "READ",
+    faults: Faults | None = None,
+    **router: Any,
+) -> Deployment:
+    kw: dict[str, Any] = {"kv_wait": 2.0}
+    if mode == "vllm-moriio":  # the router first: engines need its registration address
+        r = await start_router(
+            RouterConfig(pd=mode, registration="tcp://127.0.0.1:0", **router), settle=False
+        )
+        assert r.parts.registration is not None
+        kw |= {
+            "transfer_mode": transfer,
+            "heartbeat": 0.05,
+            "proxy_address": r.parts.registration.address,
+        }
+    configs = [engine(mode, "prefill", p[1], **kw)] * p[0] + [
+        engine(mode, "decode", d[1], **kw)
+    ] * d[0]
+    if faults is not None:
+        configs[0] = EngineConfig(
+            persona=configs[0].persona, dp_size=p[1], pd=configs[0].pd, faults=faults
+        )
+    cluster = await start_cluster(configs)
+    prefills, decodes = cluster.servers[: p[0]], cluster.servers[p[0] :]
+    if mode != "vllm-moriio":
+        specs = [WorkerSpec(s.url, role="prefill") for s in prefills]
+        specs += [WorkerSpec(s.url, role="decode") for s in decodes]
+        r = await start_router(RouterConfig(pd=mode, workers=tuple(specs), **router))
+    for _ in range(200):
+        if len(r.registry.workers) == p[0] + d[0]:
+            break
+        await asyncio.sleep(0.02)
+    assert len(r.registry.workers) == p[0] + d[0]
+    return Deployment(r, prefills, decodes)
+
+
+async def served(
+    http: aiohttp.ClientSession, url: str, n: int, body: dict[str, Any] = PROMPT
+) -> list[tuple[str, str]]:
+    pairs = []
+    for i in range(n):
+        async with http.post(url + "/v1/completions", json={**body, "stream": i % 2 == 1}) as r:
+            text = await r.text()
+            assert r.status == 200, text
+            assert "error" not in text
+            pairs.append((r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]))
+    return pairs
+
+
+def ranks(servers: list[SimServer]) -> Counter[tuple[str, int | None]]:
+    return Counter((s.engine_id, rec.rank) for s in servers for rec in s.received)
+
+
+@pytest.mark.parametrize("mode", ["vllm-nixl", "vllm-moriio", "sglang"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+async def test_every_slot_of_each_role_is_covered_evenly(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    mode: PdMode,
+    shape: str,
+) -> None:
+    p, d = SHAPES[shape]
+    dep = await deploy(start_cluster, start_router, mode, p, d)
+    p_slots, d_slots = p[0] * p[1], d[0] * d[1]
+    n = 2 * p_slots * d_slots if p_slots * d_slots <= 16 else 2 * max(p_slots, d_slots)
+    pairs = await served(http, dep.router.url, n)
+    prefill_counts, decode_counts = ranks(dep.prefills), ranks(dep.decodes)
+    assert len(prefill_counts) == p_slots and set(prefill_counts.values()) == {n // p_slots}
+    assert len(decode_counts) == d_slots and set(decode_counts.values()) == {n // d_slots}
+    if p_slots * d_slots <= 16:  # P and D are not locked together: every pair occurs
+        assert len(set(pairs)) == p_slots * d_slots
+
+
+async def test_moriio_write_mode_runs_both_legs_at_once(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    dep = await deploy(start_cluster, start_router, "vllm-moriio", (2, 2), (1, 2), "WRITE")
+    assert await served(http, dep.router.url, 8)
+    assert {w.transfer_mode for w in dep.router.registry.workers.values()} == {"WRITE"}
+
+
+async def test_a_write_mode_prefill_failure_reaches_the_client_and_leaves_no_decode(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    dep = await deploy(
+        start_cluster,
+        start_router,
+        "vllm-moriio",
+        (1, 1),
+        (1, 2),
+        "WRITE",
+        faults=Faults(fail_rate=1.0),
+    )
+    async with http.post(dep.router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 502
+        message = (await r.json())["error"]["message"]
+    assert "prefill p0: HTTP 500" in message and "simulated engine failure" in message
+    decode = dep.decodes[0].engine
+    for _ in range(200):
+        if all(rank.num_running + rank.num_waiting == 0 for rank in decode.ranks):
+            break
+        await asyncio.sleep(0.02)
+    assert all(rank.num_running + rank.num_waiting == 0 for rank in decode.ranks)
+    assert all(t.outstanding == 0 for t in dep.router.registry.targets())
+
+
+async def test_sglang_room_and_ranks_agree(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    dep = await deploy(start_cluster, start_router, "sglang", (1, 8), (1, 4))
+    await served(http, dep.router.url, 8)
+    for pre in dep.prefills[0].received:
+        assert pre.body["bootstrap_room"] % 8 == pre.body["routed_dp_rank"] == pre.rank
+    decode_bodies = [rec.body for rec in dep.decodes[0].received]
+    assert {b["disagg_prefill_dp_rank"] for b in decode_bodies} == set(range(8))
+    assert all(
+        b["routed_dp_rank"] == rec.rank
+        for b, rec in zip(decode_bodies, dep.decodes[0].received, strict=True)
+    )
+
+
+async def test_a_dead_prefill_is_passed_over_before_the_first_byte(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    dep = await deploy(start_cluster, start_router, "vllm-nixl", (2, 1), (1, 2))
+    await dep.prefills[0].crash()
+    pairs = await served(http, dep.router.url, 4)
+    assert {p for p, _ in pairs} == {"p1"}
+    assert dep.router.registry.workers["p0"].state == "discovering"
+
+
+async def test_streamed_decode_passes_through_byte_exact(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (prefill,) = (await start_cluster([engine("vllm-nixl", "prefill", 2)])).servers
+    seen: list[dict[str, Any]] = []
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in PIECES:
+            await resp.write(piece)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", decode)
+    async with serving(app) as url:
+        router = await start_router(
+            RouterConfig(
+                pd="vllm-nixl",
+                workers=(
+                    WorkerSpec(prefill.url, role="prefill"),
+                    WorkerSpec(url, role="decode", dialect="vllm", dp_size=1),
+                ),
+            )
+        )
+        async with http.post(router.url + "/v1/completions", json={**PROMPT, "stream": True}) as r:
+            assert await r.read() == b"".join(PIECES)
+    (kv,) = [b["kv_transfer_params"] for b in seen]
+    assert kv["remote_engine_id"].startswith(prefill.engine_id + "-dp")  # copied unchanged
+    assert kv["remote_port"] == prefill.port
+
+
+async def test_registered_instances_expire_and_return(
+    start_router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    router = await start_router(
+        RouterConfig(pd="vllm-moriio", registration="tcp://127.0.0.1:0", heartbeat_timeout=0.3),
+        settle=False,
+    )
+    assert router.parts.registration is not None
+    address = router.parts.registration.address
+    beat = {"heartbeat": 0.05, "proxy_address": address}
+    decode = SimServer(engine("vllm-moriio", "decode", 2, **beat))
+    other = SimServer(engine("vllm-moriio", "prefill", 1, transfer_mode="WRITE", **beat))
+    try:
+        await decode.start()
+        await other.start()
+        await asyncio.sleep(0.3)
+        assert [(w.role, w.ranks) for w in router.registry.workers.values()] == [("decode", 2)]
+        assert any(
+            "transfer mode WRITE, but this deployment runs READ" in r.getMessage()
+            for r in caplog.records
+        )
+        await decode.stop()  # its heartbeats stop
+        for _ in range(100):
+            if not router.registry.workers:
+                break
+            await asyncio.sleep(0.02)
+        assert not router.registry.workers and not router.registry.snapshot.pool("decode")
+        await decode.start()  # back, and re-admitted
+        for _ in range(100):
+            if router.registry.snapshot.pool("decode"):
+                break
+            await asyncio.sleep(0.02)
+        assert len(router.registry.snapshot.pool("decode")) == 2
+    finally:
+        await decode.stop()
+        await other.stop()
