@@ -21,6 +21,7 @@ from dprouter.config import (
     worker_from_mapping,
 )
 from dprouter.policies import POLICIES
+from dprouter.targets import ROLES
 
 log = logging.getLogger("dprouter")
 INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port", "tp_size")
@@ -203,7 +204,8 @@ async def run(config: RouterConfig) -> None:
             for w in refused:
                 log.error("worker %s (%s): %s", w.id, w.url, w.error)
             raise click.ClickException("refusing to start with misconfigured workers (see above)")
-        targets = len(router.registry.snapshot.pool())
+        snapshot = router.registry.snapshot
+        targets = sum(len(snapshot.pool(role)) for role in ROLES)
         log.info("dprouter on %s: policy %s, %d target(s)", router.url, config.policy_name, targets)
         await stop.wait()
     finally:
