@@ -13,7 +13,7 @@ import pytest
 
 import dprouter
 from dprouter.demo import run_demo
-from dprouter.sim.config import EngineConfig
+from dprouter.sim.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster
 
 
@@ -165,3 +165,47 @@ async def test_demo_uses_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
     rows = [line.split() for line in out.splitlines() if line.startswith("sim-")]
     assert len(rows) == 20 + 3  # one line per engine, then one per rank
     assert all(int(row[2]) == 3 for row in rows[3:])  # 60 requests over 20 ranks
+
+
+async def test_serve_pd_from_the_command_line(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    prefill, decode = (
+        await start_cluster(
+            [
+                EngineConfig(
+                    persona="sglang", dp_size=2, pd=PdConfig(mode="sglang", role="prefill")
+                ),
+                EngineConfig(
+                    persona="sglang", dp_size=2, pd=PdConfig(mode="sglang", role="decode")
+                ),
+            ]
+        )
+    ).servers
+    proc = await _serve(
+        "--pd",
+        "sglang",
+        "--prefill",
+        prefill.url,
+        "--decode",
+        decode.url,
+        "--decode-policy",
+        "least_load",
+    )
+    try:
+        assert proc.stderr is not None
+        line = ""
+        while "dprouter on" not in line:
+            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+            assert line, "serve exited early"
+        assert "4 target(s)" in line
+        found = re.search(r"dprouter on (http://\S+): policy", line)
+        assert found is not None
+        async with http.post(found[1] + "/v1/completions", json={"prompt": "hi"}) as r:
+            assert r.status == 200
+            assert r.headers["x-dprouter-prefill"].startswith("p0/")
+            assert r.headers["x-dprouter-target"].startswith("d0/")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 30)
+    assert code == 0

@@ -108,8 +108,34 @@ def test_toml_file(tmp_path: Path) -> None:
             "register themselves over ZMQ",
         ),
         (RouterConfig(pd="nixl"), "--pd must be one of"),  # type: ignore[arg-type]
+        (RouterConfig(pd="sglang", dp_aware="off"), "drop --dp-aware off"),
     ],
 )
 def test_wrong_types_and_values_name_the_field(config: RouterConfig, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(config)
+
+
+def test_pd_in_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "pd.toml"
+    path.write_text(
+        'pd = "sglang"\n'
+        'decode_policy = "least_load"\n'
+        "[[workers]]\n"
+        'url = "http://127.0.0.1:8100"\n'
+        'role = "prefill"\n'
+        "bootstrap_port = 8998\n"
+        "[[workers]]\n"
+        'url = "http://127.0.0.1:8200"\n'
+        'role = "decode"\n'
+    )
+    config = validate(RouterConfig(**load_file(path)))
+    assert (config.pd, config.role_policy("prefill"), config.role_policy("decode")) == (
+        "sglang",
+        "round_robin",
+        "least_load",
+    )
+    assert [(w.role, w.bootstrap_port) for w in config.workers] == [
+        ("prefill", 8998),
+        ("decode", None),
+    ]

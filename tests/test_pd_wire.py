@@ -111,3 +111,13 @@ def test_pairs_cover_every_combination_and_each_side_evenly(p_slots: int, d_slot
     assert set(Counter(pairs).values()) == {2}  # every (prefill, decode) pair, twice
     assert set(Counter(p for p, _ in pairs).values()) == {2 * d_slots}
     assert set(Counter(d for _, d in pairs).values()) == {2 * p_slots}
+
+
+def test_sglang_batches_get_a_room_per_item() -> None:
+    p = target("prefill", 0, 4, 3, bootstrap_port=8998)
+    rng = random.Random(2)
+    assert isinstance(wire.sglang_rooms({"text": "one"}, p, rng), int)
+    rooms = wire.sglang_rooms({"text": ["a", "b", "c"]}, p, rng)
+    assert isinstance(rooms, list) and len(rooms) == 3 and len(set(rooms)) == 3
+    assert all(room % 4 == 3 for room in rooms)
+    assert len(wire.sglang_rooms({"input_ids": [[1, 2], [3]]}, p, rng)) == 2  # type: ignore[arg-type]

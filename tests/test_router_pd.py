@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import aiohttp
+import msgpack
 import pytest
+import zmq
+import zmq.asyncio
 from aiohttp import web
 
 from dprouter.app import Router
@@ -66,13 +69,11 @@ async def deploy(
             "heartbeat": 0.05,
             "proxy_address": r.parts.registration.address,
         }
-    configs = [engine(mode, "prefill", p[1], **kw)] * p[0] + [
-        engine(mode, "decode", d[1], **kw)
-    ] * d[0]
+    # "TP8" shapes: one rank per instance, tensor parallel 8 (their peers are told so)
+    configs = [replace(engine(mode, "prefill", p[1], **kw), tp_size=8 if p[1] == 1 else 1)] * p[0]
+    configs += [replace(engine(mode, "decode", d[1], **kw), tp_size=8 if d[1] == 1 else 1)] * d[0]
     if faults is not None:
-        configs[0] = EngineConfig(
-            persona=configs[0].persona, dp_size=p[1], pd=configs[0].pd, faults=faults
-        )
+        configs[0] = replace(configs[0], faults=faults)
     cluster = await start_cluster(configs)
     prefills, decodes = cluster.servers[: p[0]], cluster.servers[p[0] :]
     if mode != "vllm-moriio":
@@ -133,9 +134,13 @@ async def test_moriio_write_mode_runs_both_legs_at_once(
     assert {w.transfer_mode for w in dep.router.registry.workers.values()} == {"WRITE"}
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_a_write_mode_prefill_failure_reaches_the_client_and_leaves_no_decode(
-    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
-) -> None:
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    stream: bool,
+) -> None:  # a streaming decode answers its headers before the prefill fails: no matter
     dep = await deploy(
         start_cluster,
         start_router,
@@ -143,18 +148,21 @@ async def test_a_write_mode_prefill_failure_reaches_the_client_and_leaves_no_dec
         (1, 1),
         (1, 2),
         "WRITE",
-        faults=Faults(fail_rate=1.0),
+        faults=Faults(fail_rate=1.0, delay=0.3),
     )
-    async with http.post(dep.router.url + "/v1/completions", json=PROMPT) as r:
+    async with http.post(
+        dep.router.url + "/v1/completions", json={**PROMPT, "stream": stream}
+    ) as r:
         assert r.status == 502
         message = (await r.json())["error"]["message"]
     assert "prefill p0: HTTP 500" in message and "simulated engine failure" in message
-    decode = dep.decodes[0].engine
-    for _ in range(200):
-        if all(rank.num_running + rank.num_waiting == 0 for rank in decode.ranks):
+    # the decode leg was waiting for KV (kv_wait is 2 s): the router hung up on it at once
+    for _ in range(25):
+        if dep.decodes[0].active == 0:
             break
         await asyncio.sleep(0.02)
-    assert all(rank.num_running + rank.num_waiting == 0 for rank in decode.ranks)
+    assert dep.decodes[0].generation_requests == 1  # it did arrive, and wait...
+    assert dep.decodes[0].active == 0  # ...and is gone, long before its KV wait would end
     assert all(t.outstanding == 0 for t in dep.router.registry.targets())
 
 
@@ -238,6 +246,7 @@ async def test_registered_instances_expire_and_return(
             "transfer mode WRITE, but this deployment runs READ" in r.getMessage()
             for r in caplog.records
         )
+        await other.stop()  # (once every READ instance is gone, WRITE ones would be welcome)
         await decode.stop()  # its heartbeats stop
         for _ in range(100):
             if not router.registry.workers:
@@ -253,3 +262,125 @@ async def test_registered_instances_expire_and_return(
     finally:
         await decode.stop()
         await other.stop()
+
+
+async def test_a_refused_request_reaches_the_client_as_the_engine_said(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    dep = await deploy(start_cluster, start_router, "sglang", (2, 1), (2, 1))
+    async with http.post(
+        dep.router.url + "/v1/completions", json={**PROMPT, "max_tokens": 10**6}
+    ) as r:
+        assert r.status == 400  # not a 502, and not retried on other pairs
+        assert "maximum context length" in (await r.json())["message"]
+    assert sum(s.generation_requests for s in dep.prefills) == 1
+
+
+async def test_a_failing_decode_is_passed_over_and_counted_per_role(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    dep = await deploy(start_cluster, start_router, "sglang", (1, 2), (2, 1))
+    await dep.decodes[0].crash()
+    pairs = await served(http, dep.router.url, 4)
+    assert {d for _, d in pairs} == {"d1"}
+    async with http.get(dep.router.url + "/metrics") as r:
+        text = await r.text()
+    assert 'dprouter_requests_total{dp_rank="",role="decode",status="200",worker="d1"} 4.0' in text
+    for rank in ("0", "1"):
+        assert (
+            f'dprouter_requests_total{{dp_rank="{rank}",role="prefill",status="200",worker="p0"}}'
+        ) in text
+    assert 'cause="connect",dp_rank="",role="decode",worker="d0"} 1.0' in text
+
+
+async def test_one_role_may_mix_dp_sizes(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    configs = [
+        engine("sglang", "prefill", 2),
+        engine("sglang", "prefill", 4),
+        engine("sglang", "decode", 1),
+        engine("sglang", "decode", 3),
+    ]
+    cluster = await start_cluster(configs)
+    specs = [WorkerSpec(s.url, role=s.config.pd.role) for s in cluster.servers if s.config.pd]
+    router = await start_router(RouterConfig(pd="sglang", workers=tuple(specs)))
+    await served(http, router.url, 24)  # 6 prefill slots x 4 decode slots
+    prefill_counts, decode_counts = ranks(cluster.servers[:2]), ranks(cluster.servers[2:])
+    assert len(prefill_counts) == 6 and set(prefill_counts.values()) == {4}
+    assert len(decode_counts) == 4 and set(decode_counts.values()) == {6}
+
+
+async def test_sglang_streamed_decode_passes_through_byte_exact(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (prefill,) = (await start_cluster([engine("sglang", "prefill", 2)])).servers
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["bootstrap_room"] % 2 == body["disagg_prefill_dp_rank"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in PIECES:
+            await resp.write(piece)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", decode)
+    async with serving(app) as url:
+        router = await start_router(
+            RouterConfig(
+                pd="sglang",
+                workers=(
+                    WorkerSpec(prefill.url, role="prefill"),
+                    WorkerSpec(url, role="decode", dialect="sglang", dp_size=1),
+                ),
+            )
+        )
+        for _ in range(2):
+            async with http.post(
+                router.url + "/v1/completions", json={**PROMPT, "stream": True}
+            ) as r:
+                assert await r.read() == b"".join(PIECES)
+
+
+async def test_bad_registration_messages_do_not_silence_registration(
+    start_router: StartRouter,
+) -> None:
+    router = await start_router(
+        RouterConfig(pd="vllm-moriio", registration="tcp://127.0.0.1:0"), settle=False
+    )
+    assert router.parts.registration is not None
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(router.parts.registration.address)
+    good = {
+        "type": "D",
+        "http_address": "127.0.0.1:9",
+        "dp_size": 2,
+        "tp_size": 1,
+        "zmq_address": "host:127.0.0.1,handshake:9,notify:9",
+        "transfer_mode": "READ",
+    }
+    bad = [
+        b"\xc1 not msgpack",
+        msgpack.packb([1, 2]),
+        msgpack.packb({**good, "type": "X"}),
+        msgpack.packb({**good, "transfer_mode": "BOGUS", "dp_size": None}),
+        msgpack.packb({**good, "dp_size": float("inf")}),
+        msgpack.packb({**good, "dp_size": 2_000_000}),
+    ]
+    try:
+        for frame in bad:
+            await sock.send(frame)
+        await sock.send(msgpack.packb(good))
+        for _ in range(100):
+            if router.registry.workers:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        sock.close(0)
+        ctx.term()
+    (worker,) = router.registry.workers.values()
+    assert (worker.role, worker.ranks, worker.transfer_mode) == ("decode", 2, "READ")

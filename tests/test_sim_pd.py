@@ -118,13 +118,20 @@ async def test_moriio_transfer_and_wrong_rank(
     ).servers
     ok, wrong = "tx-" + uuid.uuid4().hex, "tx-" + uuid.uuid4().hex
     for tid in (ok, wrong):
-        ask = {"do_remote_decode": True, "transfer_id": tid, "remote_dp_size": 2}
+        ask = {
+            "do_remote_decode": True,
+            "transfer_id": tid,
+            "remote_dp_size": 2,
+            "remote_tp_size": 1,
+        }  # the decode's shape
         prefill = {**BODY, "max_tokens": 1, "kv_transfer_params": ask}
         headers = {RANK: "1", "X-Request-Id": moriio_id(p, d)}
         decode_kv = {
             "do_remote_prefill": True,
             "transfer_id": tid,
             "remote_dp_rank": 1 if tid == ok else 0,
+            "remote_dp_size": 2,  # the prefill's shape
+            "remote_tp_size": 1,
         }
         if mode == "READ":  # sequential: the decode carries what the prefill answered
             _, answer = await post(http, p.url, prefill, headers)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -44,6 +44,7 @@ class Parts:
 
 
 PARTS = web.AppKey("dprouter", Parts)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def build_app(
@@ -65,7 +66,7 @@ def build_app(
         monitor=monitor or Monitor(registry, MonitorOptions(scrape_interval=config.load_interval)),
         metrics=RouterMetrics(registry),
     )
-    app = web.Application(client_max_size=config.max_body)
+    app = web.Application(client_max_size=config.max_body, middlewares=[_last_resort])
     app[PARTS] = parts
     app.cleanup_ctx.append(_lifecycle)
 
@@ -119,6 +120,18 @@ def build_app(
     return app
 
 
+@web.middleware
+async def _last_resort(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A bug must still answer in OpenAI's error shape, and be logged with its trace."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return error(500, "internal router error (logged)", "internal_error")
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     parts = app[PARTS]
     config = parts.config
@@ -129,7 +142,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
     if config.pd == "vllm-moriio":
         parts.registration = Registration(
-            parts.registry, config.registration, config.heartbeat_timeout
+            parts.registry, config.registration, config.heartbeat_timeout, parts.monitor.forget
         )
         await parts.registration.start()
     if config.pd is not None:

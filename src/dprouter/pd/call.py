@@ -32,6 +32,21 @@ class PairFailed(Exception):
         self.cause = cause
 
 
+class Refused(Exception):
+    """An engine refused the request itself (a client error): the client hears its answer."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type or "application/json"
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status, body=self.body, headers={"Content-Type": self.content_type}
+        )
+
+
 @dataclass
 class Call:
     """One client request on its way through a P/D flow."""

@@ -1,8 +1,13 @@
 """Both legs at once (SGLang, MoRIIO WRITE), with the prefill leg supervised.
 
-The decode engine waits for the KV the prefill engine writes. If the prefill
+The decode engine waits for the KV the prefill engine writes. Nothing of the
+decode's answer reaches the client before the prefill leg has succeeded: a
+real decode engine answers its headers at once and only then waits for the
+KV, so an answer that started is no proof the prefill worked. If the prefill
 leg fails, the decode leg is cancelled (its connection closed, so the engine
-drops it) and the pair fails -- no decode is left hanging, no error is lost.
+drops it) and the pair fails -- no decode left hanging, no error lost. A
+prefill that refuses the request itself (a 4xx other than 408/429) answers
+the client directly.
 """
 
 from __future__ import annotations
@@ -13,10 +18,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from dprouter.pd.call import Call, PairFailed, cancel
+from dprouter.pd.call import Call, PairFailed, Refused, cancel
 from dprouter.targets import Outstanding, Target
-
-SETTLE = 5.0  # after the decode answered, seconds to let the prefill leg finish
 
 
 async def run_both(
@@ -33,35 +36,28 @@ async def run_both(
         with Outstanding(prefill, tokens):
             resp = await call.send("prefill", prefill, prefill_body, headers)
             raw = await call.drain(prefill, resp)
+            if 400 <= resp.status < 500:
+                raise Refused(resp.status, raw, resp.headers.get("Content-Type", ""))
             # a streamed prefill reports its failure inside the stream
             if resp.status != 200 or raw.startswith(b'data: {"error"'):
-                raise PairFailed("prefill", prefill, f"status_{resp.status}", raw[:200].decode())
+                text = raw[:200].decode(errors="replace")
+                raise PairFailed("prefill", prefill, f"status_{resp.status}", text)
         call.metrics.series(prefill).answered(200)
 
     ptask = asyncio.create_task(prefill_leg())
     with Outstanding(decode, tokens):
         dtask = asyncio.create_task(call.send("decode", decode, decode_body, headers))
         try:
-            pending: set[asyncio.Task[Any]] = {ptask, dtask}
-            while not dtask.done():
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if ptask in done and ptask.exception() is not None:
-                    raise ptask.exception()  # type: ignore[misc]
+            await asyncio.wait({ptask, dtask}, return_when=asyncio.FIRST_EXCEPTION)
+            if ptask.done() and (failure := ptask.exception()) is not None:
+                raise failure
             upstream: aiohttp.ClientResponse = dtask.result()  # raises if the decode leg failed
+        except Refused as refused:
+            await cancel(dtask)
+            call.metrics.series(prefill).answered(refused.status)
+            return refused.response()
         except BaseException:
             await cancel(ptask)
             await cancel(dtask)
             raise
-        try:
-            return await call.finish(decode, upstream, prefill)
-        finally:
-            await _settle(call, ptask)
-
-
-async def _settle(call: Call, task: asyncio.Task[None]) -> None:
-    """The answer is out; give the prefill leg a moment to finish, then stop it."""
-    done, _ = await asyncio.wait({task}, timeout=SETTLE)
-    if not done:
-        await cancel(task)
-    elif not task.cancelled() and isinstance(failure := task.exception(), PairFailed):
-        call.metrics.series(failure.target).failed(failure.cause)  # late, but counted
+        return await call.finish(decode, upstream, prefill)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -26,12 +27,29 @@ log = logging.getLogger("dprouter.registration")
 ROLES: dict[str, Role] = {"P": "prefill", "D": "decode"}
 
 
+MODES = ("READ", "WRITE")
+MAX_RANKS = 1024  # a dp or tp size beyond this is a malformed message, not a machine
+
+
+def _size(msg: dict[str, Any], name: str) -> int:
+    value = msg.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_RANKS:
+        raise ValueError(f"{name} must be an integer from 1 to {MAX_RANKS}, got {value!r}")
+    return value
+
+
 class Registration:
-    def __init__(self, registry: Registry, address: str, timeout: float) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        address: str,
+        timeout: float,
+        forget: Callable[[str], None] = lambda worker_id: None,
+    ) -> None:
         self.registry = registry
         self.address = address
         self.timeout = timeout
-        self.mode: str | None = None  # the transfer mode every instance must share
+        self.forget = forget  # an expired worker's other background work stops too
         self.seen: dict[str, float] = {}  # worker id -> last heartbeat (monotonic)
         self._refused: set[str] = set()  # addresses already warned about
         self._ctx: zmq.asyncio.Context | None = None
@@ -65,8 +83,8 @@ class Registration:
                 frames = await sock.recv_multipart()
                 try:
                     self.heard(msgpack.unpackb(frames[-1]))
-                except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
-                    log.warning("unreadable registration message ignored: %s", exc)
+                except Exception as exc:  # one bad message must not silence registration
+                    log.warning("registration message ignored: %s: %s", type(exc).__name__, exc)
         finally:
             sock.close(0)
 
@@ -80,10 +98,15 @@ class Registration:
         if kind not in ROLES:
             raise ValueError(f"type must be P, D or HELLO, got {kind!r}")
         url = normalise_url(str(msg["http_address"]))
-        mode = str(msg["transfer_mode"]).upper()
-        if self.mode is None:
-            self.mode = mode
-        if mode != self.mode:
+        mode = msg.get("transfer_mode")
+        if mode not in MODES:
+            raise ValueError(f"transfer_mode must be READ or WRITE, got {mode!r}")
+        dp, tp = _size(msg, "dp_size"), _size(msg, "tp_size")
+        zmq_address = msg.get("zmq_address")
+        if not isinstance(zmq_address, str) or "handshake:" not in zmq_address:
+            raise ValueError(f"zmq_address must be host:IP,handshake:PORT,..., got {zmq_address!r}")
+        running = self.mode  # checked only once the message is known to be whole
+        if running is not None and mode != running:
             if url not in self._refused:
                 self._refused.add(url)
                 log.error(
@@ -91,14 +114,12 @@ class Registration:
                     "runs %s (all instances must agree)",
                     url,
                     mode,
-                    self.mode,
+                    running,
                 )
             return None
-        dp, tp = int(msg["dp_size"]), int(msg["tp_size"])
-        if dp < 1 or tp < 1:
-            raise ValueError(f"dp_size and tp_size must be >= 1, got {dp}, {tp}")
+        self._refused.discard(url)
         worker = next((w for w in self.registry.workers.values() if w.url == url), None)
-        shape = (ROLES[kind], dp, tp, str(msg["zmq_address"]), mode)
+        shape = (ROLES[kind], dp, tp, zmq_address, mode)
         if (
             worker is not None
             and (
@@ -121,7 +142,7 @@ class Registration:
                 dialect="vllm",
                 dp_size=dp,
                 tp_size=tp,
-                zmq_address=shape[3],
+                zmq_address=zmq_address,
                 transfer_mode=mode,
             )
             worker.ranks = dp
@@ -139,6 +160,11 @@ class Registration:
         self.seen[worker.id] = asyncio.get_running_loop().time()
         return worker
 
+    @property
+    def mode(self) -> str | None:
+        """The transfer mode of the instances registered now (None: there are none)."""
+        return next((w.transfer_mode for w in self.registry.workers.values()), None)
+
     async def _expire(self) -> None:
         while True:
             await asyncio.sleep(max(self.timeout / 4, 0.05))
@@ -149,6 +175,7 @@ class Registration:
             if now - last > self.timeout:
                 del self.seen[worker_id]
                 if worker_id in self.registry.workers:
+                    self.forget(worker_id)
                     worker = self.registry.remove(worker_id)
                     log.warning(
                         "MoRIIO instance %s (%s) expired: no heartbeat for %.1fs",

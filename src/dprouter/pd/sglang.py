@@ -15,6 +15,6 @@ from dprouter.targets import Target
 async def run(
     call: Call, prefill: Target, decode: Target, rng: random.Random
 ) -> web.StreamResponse:
-    room = wire.sglang_room(prefill, rng)
+    room = wire.sglang_rooms(call.body, prefill, rng)
     prefill_body, decode_body = wire.sglang_bodies(call.body, prefill, decode, room)
     return await run_both(call, prefill, decode, prefill_body, decode_body, {})

@@ -104,8 +104,25 @@ def sglang_room(prefill: Target, rng: random.Random) -> int:
     return rng.randrange((1 << ROOM_BITS) // dp) * dp + (prefill.rank or 0)
 
 
+def batch_size(body: dict[str, Any]) -> int:
+    """How many prompts one request carries (SGLang wants a room for each)."""
+    for name in ("text", "input_ids", "prompt"):
+        value = body.get(name)
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            return len(value)
+    return 1
+
+
+def sglang_rooms(body: dict[str, Any], prefill: Target, rng: random.Random) -> int | list[int]:
+    """One room for a single prompt; one per item for a batch."""
+    n = batch_size(body)
+    if n == 1:
+        return sglang_room(prefill, rng)
+    return [sglang_room(prefill, rng) for _ in range(n)]
+
+
 def sglang_bodies(
-    body: dict[str, Any], prefill: Target, decode: Target, room: int
+    body: dict[str, Any], prefill: Target, decode: Target, room: int | list[int]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     host = URL(prefill.worker.url).host
     common = {

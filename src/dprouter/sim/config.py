@@ -64,6 +64,7 @@ class Faults:
     fail_rate: float = 0.0  # probability that a generation request gets HTTP 500
     fail_first: int = 0  # the first N generation requests get HTTP 500
     hang: bool = False  # accept generation requests and never answer
+    delay: float = 0.0  # wall seconds each generation request waits before anything else
     crash_after: int | None = None  # the server dies when request N+1 arrives
     slow_ranks: dict[int, float] = field(default_factory=dict)  # rank -> step cost factor
     health_fail_after: float | None = None  # /health answers 503 after T wall seconds

@@ -10,7 +10,7 @@ import orjson
 from aiohttp import web
 
 from dprouter.sim.dispatch import DispatchError
-from dprouter.sim.pd import PdError, decode_ticket, prefill_key, take
+from dprouter.sim.pd import PdError, decode_ticket, prefill_key, prefill_meta, take
 from dprouter.sim.persona import RankError
 from dprouter.sim.protocol import Kind, Parsed, parse
 from dprouter.sim.request import SimRequest
@@ -45,7 +45,9 @@ class Generation:
         self.kind = kind
         self.headers = {"x-sim-engine": server.engine_id}
         self.prefill_key: str | None = None  # a prefill keeps its KV under this key
+        self.prefill_meta: dict[str, object] = {}  # and what it was told of its decode peer
         self.remote_kv = False  # a decode took its KV from a prefill engine
+        self.early: web.StreamResponse | None = None  # a streaming decode's answer, begun
 
     def fail(
         self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None
@@ -92,6 +94,8 @@ class Generation:
         limit = server.config.limits.max_model_len
         if parsed.prompt_len_total > limit:
             return self.fail(400, too_long(limit, parsed))
+        if faults.delay > 0:
+            await asyncio.sleep(faults.delay)
         if (
             server.generation_requests <= faults.fail_first
             or server.rng.random() < faults.fail_rate
@@ -101,7 +105,7 @@ class Generation:
             await asyncio.Event().wait()  # until the client gives up
         room = body.get("bootstrap_room")
         rid = parsed.rid or RID_PREFIX[self.kind] + uuid.uuid4().hex
-        failed = await self.pd_step(body, parsed, rid)
+        failed = await self.pd_step(body, parsed, rid, rank)
         if failed is not None:
             server.record(self.request, body, None)
             return failed
@@ -129,22 +133,39 @@ class Generation:
             if not req.done:
                 server.runner.abort(req)  # client gone or server stopping: free the rank
 
-    async def pd_step(self, body: Any, parsed: Parsed, rid: str) -> web.Response | None:
-        """Prefill: note where the KV will be kept. Decode: take the KV first."""
+    async def pd_step(
+        self, body: Any, parsed: Parsed, rid: str, rank: int | None
+    ) -> web.StreamResponse | None:
+        """Prefill: note where the KV will be kept. Decode: take the KV first -- after
+        answering its headers when streaming, as a real decode engine does."""
         pd = self.server.config.pd
         if pd is None:
             return None
         try:
+            me = self.server.me()
             if pd.role == "prefill":
                 self.prefill_key = prefill_key(pd, body, rid)
+                self.prefill_meta = prefill_meta(pd, body, self.request.headers, me)
                 return None
-            ticket = decode_ticket(pd, body, self.request.headers)
+            ticket = decode_ticket(pd, body, self.request.headers, me)
         except PdError as exc:
             return self.fail(400, str(exc))
+        if parsed.stream:
+            headers = {**self.headers, "Content-Type": "text/event-stream"}
+            if rank is not None:
+                headers["x-sim-dp-rank"] = str(rank)
+            self.early = web.StreamResponse(headers=headers)
+            await self.early.prepare(self.request)
         try:
             await take(self.server.session, ticket, prompt_digest(parsed.prompt_ids), pd.kv_wait)
         except PdError as exc:
-            return self.fail(500, f"KV transfer failed: {exc}", "KVTransferError")
+            message = f"KV transfer failed: {exc}"
+            if self.early is None:
+                return self.fail(500, message, "KVTransferError")
+            error = {"message": message, "type": "KVTransferError", "param": None, "code": 500}
+            await self.early.write(sse({"error": error}) + DONE)
+            await self.early.write_eof()
+            return self.early
         self.remote_kv = True
         return None
 
@@ -172,7 +193,7 @@ class Generation:
             use = usage(req.prompt_len, req.generated, req.cached_tokens)
             body = Render(self.kind, req.rid, self.server.config.model, False).full(text, use)
         if self.prefill_key is not None:
-            params = self.server.publish_kv(self.prefill_key, req)
+            params = self.server.publish_kv(self.prefill_key, req, self.prefill_meta)
             if params is not None:
                 body["kv_transfer_params"] = params
         return web.json_response(body, headers=self.headers, dumps=_dumps)
@@ -180,9 +201,16 @@ class Generation:
     async def stream(
         self, req: SimRequest, parsed: Parsed, queue: asyncio.Queue[tuple[int, bool]]
     ) -> web.StreamResponse:
-        headers = {**self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        resp = web.StreamResponse(headers=headers)
-        await resp.prepare(self.request)
+        if self.early is not None:  # a decode already answered its headers
+            resp = self.early
+        else:
+            headers = {
+                **self.headers,
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+            }
+            resp = web.StreamResponse(headers=headers)
+            await resp.prepare(self.request)
         render = Render(self.kind, req.rid, self.server.config.model, parsed.include_usage)
         digest = prompt_digest(req.prompt_ids)
         text = ""
@@ -217,7 +245,7 @@ class Generation:
                 else:
                     await resp.write(render.piece(piece, done))
             if self.prefill_key is not None:
-                self.server.publish_kv(self.prefill_key, req)
+                self.server.publish_kv(self.prefill_key, req, self.prefill_meta)
             if self.kind == "generate":
                 await resp.write(DONE)
             else:
@@ -229,4 +257,8 @@ class Generation:
 
 
 async def handle(server: SimServer, request: web.Request, kind: Kind) -> web.StreamResponse:
-    return await Generation(server, request, kind).run()
+    server.active += 1  # requests inside the engine now, whatever stage they are at
+    try:
+        return await Generation(server, request, kind).run()
+    finally:
+        server.active -= 1

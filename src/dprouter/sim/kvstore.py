@@ -19,6 +19,7 @@ class KvEntry:
     rank: int
     digest: int  # of the prompt tokens
     prompt_tokens: int
+    meta: dict[str, object] = field(default_factory=dict)  # what the prefill was told of its peer
     taken: bool = False
 
 
@@ -33,15 +34,28 @@ class KvStore:
         """The per-rank engine id a real connector reports (each DP rank is an engine core)."""
         return f"{self.engine_id}-dp{rank}"
 
-    def publish(self, key: str, rank: int, digest: int, prompt_tokens: int) -> None:
-        self.entries[key] = KvEntry(rank, digest, prompt_tokens)
+    def publish(
+        self,
+        key: str,
+        rank: int,
+        digest: int,
+        prompt_tokens: int,
+        meta: dict[str, object] | None = None,
+    ) -> None:
+        self.entries[key] = KvEntry(rank, digest, prompt_tokens, dict(meta or {}))
         while len(self.entries) > CAPACITY:
             self.entries.popitem(last=False)
         self._arrived.set()  # wake every waiting taker; each checks for its own key
         self._arrived = asyncio.Event()
 
     async def take(
-        self, key: str, rank: int | None, engine: str | None, digest: int, wait: float
+        self,
+        key: str,
+        rank: int | None,
+        engine: str | None,
+        digest: int,
+        wait: float,
+        claims: dict[str, object] | None = None,
     ) -> tuple[int, str, int]:
         """``(HTTP status, message, prompt tokens)``; 200 hands the KV over, once."""
         entry = await self._await(key, wait)
@@ -53,6 +67,10 @@ class KvStore:
             return 409, f"KV {key} belongs to {self.engine_name(entry.rank)}, not {engine}", 0
         if entry.digest != digest:
             return 409, f"KV {key} holds a different prompt than this decode request", 0
+        for name, claimed in (claims or {}).items():
+            known = entry.meta.get(name)
+            if known is not None and known != claimed:
+                return 409, f"KV {key}: the decode has {name}={claimed}, the prefill {known}", 0
         if entry.taken:
             return 410, f"KV {key} was already consumed", 0
         entry.taken = True

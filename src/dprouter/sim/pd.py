@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -44,6 +44,7 @@ class Ticket:
     key: str
     rank: int | None
     engine: str | None
+    claims: dict[str, object] = field(default_factory=dict)  # checked against the prefill's
 
 
 def zmq_host_port(address: str) -> tuple[str, int]:
@@ -74,7 +75,45 @@ def _need(kv: Mapping[str, Any], *names: str) -> None:
         raise PdError(f"kv_transfer_params lacks {', '.join(missing)}")
 
 
-def decode_ticket(pd: PdConfig, body: Mapping[str, Any], headers: Mapping[str, str]) -> Ticket:
+@dataclass(frozen=True)
+class Me:
+    """What an engine knows of itself that its P/D peer must agree with."""
+
+    dp: int
+    tp: int
+    address: str  # MoRIIO: its ZMQ address as it registers it
+
+
+def moriio_peers(headers: Mapping[str, str]) -> tuple[str, str]:
+    found = MORIIO_ID.match(headers.get("X-Request-Id", ""))
+    if found is None:
+        raise PdError("X-Request-Id must carry ___prefill_addr_<zmq>___decode_addr_<zmq>_<id>")
+    return found["p"], found["d"]
+
+
+def prefill_meta(
+    pd: PdConfig, body: Mapping[str, Any], headers: Mapping[str, str], me: Me
+) -> dict[str, object]:
+    """What a MoRIIO prefill was told about its decode peer, kept with the KV."""
+    if pd.mode != "vllm-moriio":
+        return {}
+    kv = body.get("kv_transfer_params")
+    if not isinstance(kv, dict):
+        raise PdError("a MoRIIO prefill needs kv_transfer_params")
+    _need(kv, "remote_dp_size", "remote_tp_size")
+    _, decode_address = moriio_peers(headers)
+    return {
+        "decode_dp": kv.get("remote_dp_size"),
+        "decode_tp": kv.get("remote_tp_size"),
+        "decode_address": decode_address,
+        "prefill_dp": me.dp,
+        "prefill_tp": me.tp,
+    }
+
+
+def decode_ticket(
+    pd: PdConfig, body: Mapping[str, Any], headers: Mapping[str, str], me: Me
+) -> Ticket:
     if pd.mode == "vllm-nixl":
         kv = _kv(body)
         if kv.get("do_remote_prefill") is not True:
@@ -88,19 +127,29 @@ def decode_ticket(pd: PdConfig, body: Mapping[str, Any], headers: Mapping[str, s
         )
     if pd.mode == "vllm-moriio":
         kv = _kv(body)
-        _need(kv, "transfer_id", "remote_dp_rank")
+        _need(kv, "transfer_id", "remote_dp_rank", "remote_dp_size", "remote_tp_size")
         if pd.transfer_mode == "READ":
             _need(kv, "remote_engine_id", "remote_block_ids")
-        found = MORIIO_ID.match(headers.get("X-Request-Id", ""))
-        if found is None:
-            raise PdError("X-Request-Id must carry ___prefill_addr_<zmq>___decode_addr_<zmq>_<id>")
-        host, port = zmq_host_port(found["p"])
+        prefill_address, decode_address = moriio_peers(headers)
+        if decode_address != me.address:
+            raise PdError(
+                f"X-Request-Id names decode {decode_address}, not this engine ({me.address})"
+            )
+        host, port = zmq_host_port(prefill_address)
         engine = kv.get("remote_engine_id")
+        claims = {
+            "decode_dp": me.dp,
+            "decode_tp": me.tp,
+            "decode_address": me.address,
+            "prefill_dp": kv.get("remote_dp_size"),
+            "prefill_tp": kv.get("remote_tp_size"),
+        }
         return Ticket(
             _url(host, port),
             str(kv["transfer_id"]),
             int(kv["remote_dp_rank"]),
             None if engine is None else str(engine),
+            claims,
         )
     _need(body, "bootstrap_host", "bootstrap_port", "bootstrap_room")
     rank = body.get("disagg_prefill_dp_rank")
@@ -161,6 +210,7 @@ async def take(session: aiohttp.ClientSession, ticket: Ticket, digest: int, wait
         "engine": ticket.engine,
         "digest": digest,
         "wait": wait,
+        "claims": ticket.claims,
     }
     try:
         async with session.post(ticket.url, json=payload) as r:

@@ -68,10 +68,10 @@ class PdSide:
             await self.session.close()
             self.session = None
 
-    def publish(self, key: str, req: SimRequest) -> dict[str, Any] | None:
+    def publish(self, key: str, req: SimRequest, meta: dict[str, object]) -> dict[str, Any] | None:
         """A prefill finished: keep its KV; returns the vLLM connector's params."""
         assert req.rank is not None
-        self.store.publish(key, req.rank, prompt_digest(req.prompt_ids), req.prompt_len)
+        self.store.publish(key, req.rank, prompt_digest(req.prompt_ids), req.prompt_len, meta)
         c = self.server.config
         return prefill_answer(
             self.pd,
@@ -90,12 +90,12 @@ class PdSide:
             rank = ask.get("rank")
             if rank is None and self.pd.mode == "sglang":
                 rank = int(ask["key"]) % self.store.dp_size  # SGLang's own rule for a room
+            claims = ask.get("claims") or {}
+            if not isinstance(claims, dict):
+                raise TypeError("claims must be a map")
+            wait = min(float(ask.get("wait", 0)), 60.0)
             status, message, tokens = await self.store.take(
-                str(ask["key"]),
-                rank,
-                ask.get("engine"),
-                int(ask["digest"]),
-                min(float(ask.get("wait", 0)), 60.0),
+                str(ask["key"]), rank, ask.get("engine"), int(ask["digest"]), wait, claims
             )
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"bad take request: {exc}"}, status=400)

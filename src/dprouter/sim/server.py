@@ -16,6 +16,7 @@ from dprouter.sim import endpoints
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.engine import Engine
 from dprouter.sim.metrics import vllm_registry
+from dprouter.sim.pd import Me
 from dprouter.sim.pd_side import PdSide
 from dprouter.sim.persona import persona_for
 from dprouter.sim.request import SimRequest
@@ -56,6 +57,7 @@ class SimServer:
         self.received: deque[Received] = deque(maxlen=10_000)
         self.started = asyncio.Event()
         self.generation_requests = 0
+        self.active = 0  # generation requests being handled right now
         self.rng = random.Random(config.faults.seed)
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
@@ -69,9 +71,15 @@ class SimServer:
         assert self.pd is not None and self.pd.session is not None
         return self.pd.session
 
-    def publish_kv(self, key: str, req: SimRequest) -> dict[str, Any] | None:
+    def publish_kv(
+        self, key: str, req: SimRequest, meta: dict[str, object]
+    ) -> dict[str, Any] | None:
         assert self.pd is not None
-        return self.pd.publish(key, req)
+        return self.pd.publish(key, req, meta)
+
+    def me(self) -> Me:
+        assert self.pd is not None
+        return Me(self.config.dp_size, self.config.tp_size, self.pd.registration()["zmq_address"])
 
     @property
     def url(self) -> str:
