@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -225,40 +226,44 @@ async def test_streamed_decode_passes_through_byte_exact(
     assert kv["remote_port"] == prefill.port
 
 
+async def until(check: Callable[[], bool], seconds: float = 5.0) -> bool:
+    """Poll ``check`` until it holds, for at most ``seconds``."""
+    for _ in range(int(seconds / 0.02)):
+        if check():
+            return True
+        await asyncio.sleep(0.02)
+    return check()
+
+
 async def test_registered_instances_expire_and_return(
     start_router: StartRouter, caplog: pytest.LogCaptureFixture
 ) -> None:
     router = await start_router(
-        RouterConfig(pd="vllm-moriio", registration="tcp://127.0.0.1:0", heartbeat_timeout=0.3),
+        RouterConfig(pd="vllm-moriio", registration="tcp://127.0.0.1:0", heartbeat_timeout=0.5),
         settle=False,
     )
     assert router.parts.registration is not None
-    address = router.parts.registration.address
-    beat = {"heartbeat": 0.05, "proxy_address": address}
+    beat = {"heartbeat": 0.05, "proxy_address": router.parts.registration.address}
     decode = SimServer(engine("vllm-moriio", "decode", 2, **beat))
     other = SimServer(engine("vllm-moriio", "prefill", 1, transfer_mode="WRITE", **beat))
+    workers = router.registry.workers
     try:
         await decode.start()
-        await other.start()
-        await asyncio.sleep(0.3)
-        assert [(w.role, w.ranks) for w in router.registry.workers.values()] == [("decode", 2)]
-        assert any(
-            "transfer mode WRITE, but this deployment runs READ" in r.getMessage()
-            for r in caplog.records
+        assert await until(lambda: len(router.registry.snapshot.pool("decode")) == 2)
+        await other.start()  # a WRITE instance in a READ deployment
+        assert await until(
+            lambda: any(
+                "transfer mode WRITE, but this deployment runs READ" in r.getMessage()
+                for r in caplog.records
+            )
         )
+        assert [(w.role, w.ranks) for w in workers.values()] == [("decode", 2)]
         await other.stop()  # (once every READ instance is gone, WRITE ones would be welcome)
         await decode.stop()  # its heartbeats stop
-        for _ in range(100):
-            if not router.registry.workers:
-                break
-            await asyncio.sleep(0.02)
-        assert not router.registry.workers and not router.registry.snapshot.pool("decode")
+        assert await until(lambda: not workers)
+        assert not router.registry.snapshot.pool("decode")
         await decode.start()  # back, and re-admitted
-        for _ in range(100):
-            if router.registry.snapshot.pool("decode"):
-                break
-            await asyncio.sleep(0.02)
-        assert len(router.registry.snapshot.pool("decode")) == 2
+        assert await until(lambda: len(router.registry.snapshot.pool("decode")) == 2)
     finally:
         await decode.stop()
         await other.stop()
