@@ -99,20 +99,25 @@ async def _serve(*args: str) -> asyncio.subprocess.Process:
     )
 
 
+async def listening(proc: asyncio.subprocess.Process) -> tuple[str, str]:
+    """Read ``serve``'s log until it says where it listens: (its URL, that line)."""
+    assert proc.stderr is not None
+    line = ""
+    while "dprouter on" not in line:
+        line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+        assert line, "serve exited early"
+    found = re.search(r"dprouter on (http://\S+): policy", line)
+    assert found is not None, line
+    return found[1], line
+
+
 async def test_serve_routes_and_stops_on_sigterm(
     start_cluster: StartCluster, http: aiohttp.ClientSession
 ) -> None:
     cluster = await start_cluster([EngineConfig(dp_size=2), EngineConfig(dp_size=2)])
     proc = await _serve(*(a for u in cluster.urls for a in ("--worker", u)))
     try:
-        assert proc.stderr is not None
-        line = ""
-        while "dprouter on" not in line:
-            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
-            assert line, "serve exited early"
-        found = re.search(r"dprouter on (http://\S+): policy", line)
-        assert found is not None, line
-        base = found.group(1)
+        base, line = await listening(proc)
         assert "4 target(s)" in line
         ranks = set()
         for _ in range(4):
@@ -193,15 +198,9 @@ async def test_serve_pd_from_the_command_line(
         "least_load",
     )
     try:
-        assert proc.stderr is not None
-        line = ""
-        while "dprouter on" not in line:
-            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
-            assert line, "serve exited early"
+        base, line = await listening(proc)
         assert "4 target(s)" in line
-        found = re.search(r"dprouter on (http://\S+): policy", line)
-        assert found is not None
-        async with http.post(found[1] + "/v1/completions", json={"prompt": "hi"}) as r:
+        async with http.post(base + "/v1/completions", json={"prompt": "hi"}) as r:
             assert r.status == 200
             assert r.headers["x-dprouter-prefill"].startswith("p0/")
             assert r.headers["x-dprouter-target"].startswith("d0/")

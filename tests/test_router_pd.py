@@ -192,13 +192,18 @@ async def test_a_dead_prefill_is_passed_over_before_the_first_byte(
     assert dep.router.registry.workers["p0"].state == "discovering"
 
 
+@pytest.mark.parametrize("mode", ["vllm-nixl", "sglang"])
 async def test_streamed_decode_passes_through_byte_exact(
-    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    mode: PdMode,
 ) -> None:
-    (prefill,) = (await start_cluster([engine("vllm-nixl", "prefill", 2)])).servers
+    (prefill,) = (await start_cluster([engine(mode, "prefill", 2)])).servers
     seen: list[dict[str, Any]] = []
 
     async def decode(request: web.Request) -> web.StreamResponse:
+        """A stand-in decode engine that answers in uneven pieces."""
         seen.append(await request.json())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -209,21 +214,29 @@ async def test_streamed_decode_passes_through_byte_exact(
 
     app = web.Application()
     app.router.add_post("/v1/completions", decode)
+    dialect = "sglang" if mode == "sglang" else "vllm"
     async with serving(app) as url:
         router = await start_router(
             RouterConfig(
-                pd="vllm-nixl",
+                pd=mode,
                 workers=(
                     WorkerSpec(prefill.url, role="prefill"),
-                    WorkerSpec(url, role="decode", dialect="vllm", dp_size=1),
+                    WorkerSpec(url, role="decode", dialect=dialect, dp_size=1),
                 ),
             )
         )
-        async with http.post(router.url + "/v1/completions", json={**PROMPT, "stream": True}) as r:
-            assert await r.read() == b"".join(PIECES)
-    (kv,) = [b["kv_transfer_params"] for b in seen]
-    assert kv["remote_engine_id"].startswith(prefill.engine_id + "-dp")  # copied unchanged
-    assert kv["remote_port"] == prefill.port
+        for _ in range(2):
+            async with http.post(
+                router.url + "/v1/completions", json={**PROMPT, "stream": True}
+            ) as r:
+                assert await r.read() == b"".join(PIECES)
+    for body in seen:
+        if mode == "sglang":
+            assert body["bootstrap_room"] % 2 == body["disagg_prefill_dp_rank"]
+        else:
+            kv = body["kv_transfer_params"]
+            assert kv["remote_engine_id"].startswith(prefill.engine_id + "-dp")  # unchanged
+            assert kv["remote_port"] == prefill.port
 
 
 async def until(check: Callable[[], bool], seconds: float = 5.0) -> bool:
@@ -314,40 +327,6 @@ async def test_one_role_may_mix_dp_sizes(
     prefill_counts, decode_counts = ranks(cluster.servers[:2]), ranks(cluster.servers[2:])
     assert len(prefill_counts) == 6 and set(prefill_counts.values()) == {4}
     assert len(decode_counts) == 4 and set(decode_counts.values()) == {6}
-
-
-async def test_sglang_streamed_decode_passes_through_byte_exact(
-    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
-) -> None:
-    (prefill,) = (await start_cluster([engine("sglang", "prefill", 2)])).servers
-
-    async def decode(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        assert body["bootstrap_room"] % 2 == body["disagg_prefill_dp_rank"]
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for piece in PIECES:
-            await resp.write(piece)
-        await resp.write_eof()
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", decode)
-    async with serving(app) as url:
-        router = await start_router(
-            RouterConfig(
-                pd="sglang",
-                workers=(
-                    WorkerSpec(prefill.url, role="prefill"),
-                    WorkerSpec(url, role="decode", dialect="sglang", dp_size=1),
-                ),
-            )
-        )
-        for _ in range(2):
-            async with http.post(
-                router.url + "/v1/completions", json={**PROMPT, "stream": True}
-            ) as r:
-                assert await r.read() == b"".join(PIECES)
 
 
 async def test_bad_registration_messages_do_not_silence_registration(

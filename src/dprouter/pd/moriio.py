@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from aiohttp import web
 
 from dprouter.pd import wire
-from dprouter.pd.call import Call, PairFailed
+from dprouter.pd.call import Call
 from dprouter.pd.concurrent import run_both
-from dprouter.targets import Outstanding, Target
+from dprouter.pd.sequential import run_in_turn
+from dprouter.targets import Target
 
 
 async def run(call: Call, prefill: Target, decode: Target) -> web.StreamResponse:
@@ -19,17 +21,8 @@ async def run(call: Call, prefill: Target, decode: Target) -> web.StreamResponse
     if prefill.worker.transfer_mode == "WRITE":
         decode_body = wire.moriio_decode(call.body, transfer_id, prefill, None)
         return await run_both(call, prefill, decode, prefill_body, decode_body, headers)
-    tokens = call.incoming.tokens
-    with Outstanding(prefill, tokens):
-        resp = await call.send("prefill", prefill, prefill_body, headers)
-        if resp.status != 200:
-            return await call.finish(prefill, resp, prefill)
-        answer = await call.prefill_answer(prefill, resp)
-    call.metrics.series(prefill).answered(200)
-    kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-    if not isinstance(kv, dict):
-        raise PairFailed("prefill", prefill, "no_kv", "answered without kv_transfer_params")
-    with Outstanding(decode, tokens):
-        decode_body = wire.moriio_decode(call.body, transfer_id, prefill, kv)
-        upstream = await call.send("decode", decode, decode_body, headers)
-        return await call.finish(decode, upstream, prefill)
+
+    def decode_body_from(kv: dict[str, Any]) -> dict[str, Any]:
+        return wire.moriio_decode(call.body, transfer_id, prefill, kv)
+
+    return await run_in_turn(call, prefill, decode, prefill_body, decode_body_from, headers)

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from aiohttp import web
 
 from dprouter.pd import wire
-from dprouter.pd.call import Call, PairFailed
-from dprouter.targets import Outstanding, Target
+from dprouter.pd.call import Call
+from dprouter.pd.sequential import run_in_turn
+from dprouter.targets import Target
 
 
 async def run(call: Call, prefill: Target, decode: Target) -> web.StreamResponse:
-    tokens = call.incoming.tokens
-    with Outstanding(prefill, tokens):
-        resp = await call.send("prefill", prefill, wire.nixl_prefill(call.body))
-        if resp.status != 200:  # the request itself is wrong: the client hears the engine
-            return await call.finish(prefill, resp, prefill)
-        answer = await call.prefill_answer(prefill, resp)
-    call.metrics.series(prefill).answered(200)
-    kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-    if not isinstance(kv, dict):
-        raise PairFailed("prefill", prefill, "no_kv", "answered without kv_transfer_params")
-    with Outstanding(decode, tokens):
-        upstream = await call.send("decode", decode, wire.nixl_decode(call.body, kv))
-        return await call.finish(decode, upstream, prefill)
+    prefill_body = wire.nixl_prefill(call.body)
+    return await run_in_turn(
+        call, prefill, decode, prefill_body, partial(wire.nixl_decode, call.body), {}
+    )

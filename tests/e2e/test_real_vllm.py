@@ -1,0 +1,180 @@
+"""dprouter in front of a real vLLM (CPU build, tiny model): the wire as the engine speaks it."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections import Counter
+
+import aiohttp
+import pytest
+import vllm_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from dprouter.config import RouterConfig, WorkerSpec
+from tests.conftest import StartRouter
+from tests.e2e.conftest import SUMMARY
+
+pytestmark = pytest.mark.realvllm
+BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
+
+
+async def engine_counts(http: aiohttp.ClientSession, url: str, name: str) -> Counter[str]:
+    """``name`` summed per ``engine`` label, as vLLM's /metrics reports it."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    out: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and "engine" in s.labels:
+                out[s.labels["engine"]] += int(s.value)
+    return out
+
+
+async def settle_counts(http: aiohttp.ClientSession, url: str, name: str,
+                        total: int) -> Counter[str]:  # fmt: skip
+    """vLLM publishes its stats asynchronously: poll until ``total`` is reached (<= 5 s)."""
+    counts: Counter[str] = Counter()
+    for _ in range(50):
+        counts = await engine_counts(http, url, name)
+        if sum(counts.values()) >= total:
+            break
+        await asyncio.sleep(0.1)
+    return counts
+
+
+async def complete(http: aiohttp.ClientSession, url: str, n: int, body: dict[str, object] = BODY,
+                   headers: dict[str, str] | None = None) -> list[str]:  # fmt: skip
+    """``n`` sequential completions through ``url``; returns the targets that served them."""
+    served = []
+    for _ in range(n):
+        async with http.post(url + "/v1/completions", json=body, headers=headers or {}) as r:
+            assert r.status == 200, await r.text()
+            served.append(r.headers["x-dprouter-target"])
+    return served
+
+
+async def test_discovery_round_robin_and_exact_engine_counts(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url),)))
+    (worker,) = router.registry.workers.values()
+    assert (worker.dialect, worker.ranks, worker.rank_offset) == ("vllm", 2, 0)  # from /metrics
+    metric = "vllm:request_success_total"
+    before = await engine_counts(http, vllm_dp2.url, metric)
+    k = 10
+    served = await complete(http, router.url, 2 * k)
+    after = await settle_counts(http, vllm_dp2.url, metric, sum(before.values()) + 2 * k)
+    rose = {label: after[label] - before[label] for label in ("0", "1")}
+    SUMMARY.append(f"round_robin, {2 * k} requests: engine label -> requests {rose}")
+    assert Counter(served) == {"w0/0": k, "w0/1": k}
+    assert rose == {"0": k, "1": k}
+
+
+async def test_a_session_sticks_to_one_engine_label(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url),), sessions=True))
+    metric = "vllm:request_success_total"
+    before = await engine_counts(http, vllm_dp2.url, metric)
+    served = await complete(http, router.url, 6, headers={"X-Session-ID": "alice"})
+    after = await settle_counts(http, vllm_dp2.url, metric, sum(before.values()) + 6)
+    rose = {label: after[label] - before[label] for label in ("0", "1")}
+    SUMMARY.append(f"session 'alice', 6 requests: engine label -> requests {rose}")
+    assert len(set(served)) == 1
+    assert sorted(rose.values()) == [0, 6]
+
+
+async def test_streams_pass_through_and_a_client_disconnect_stops_generation(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url),)))
+    body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(router.url + "/v1/completions", json=body) as r:
+        raw = await r.read()
+    events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and len(events) == 4 + 2  # 4 tokens, usage, [DONE]
+    assert raw.endswith(b"data: [DONE]\n\n")
+    long = {**BODY, "max_tokens": 400, "stream": True}
+    resp = await http.post(router.url + "/v1/completions", json=long)
+    await resp.content.readuntil(b"\n\n")
+    running = await engine_counts(http, vllm_dp2.url, "vllm:num_requests_running")
+    resp.close()  # the client leaves mid-stream
+    for _ in range(50):
+        running = await engine_counts(http, vllm_dp2.url, "vllm:num_requests_running")
+        if sum(running.values()) == 0 and all(
+            t.outstanding == 0 for t in router.registry.targets()
+        ):
+            break
+        await asyncio.sleep(0.1)
+    SUMMARY.append(f"client left a 400-token stream: engine running after {dict(running)}")
+    assert sum(running.values()) == 0
+    assert all(t.outstanding == 0 for t in router.registry.targets())
+
+
+async def test_a_rank_the_engine_would_reject_is_never_sent(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    # the engine itself refuses rank 2 (out of range [0, 2))
+    async with http.post(vllm_dp2.url + "/v1/completions", json=BODY,
+                         headers={"X-data-parallel-rank": "2"}) as r:  # fmt: skip
+        assert r.status == 400
+        assert "out of range [0, 2)" in await r.text()
+    router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url),)))
+    served = await complete(http, router.url, 6, headers={"X-data-parallel-rank": "2"})
+    assert set(served) == {"w0/0", "w0/1"}  # the client's rank is dropped, never forwarded
+
+
+async def test_a_wrong_dp_size_is_refused_not_half_routed(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter
+) -> None:
+    router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url, dp_size=4),)))
+    (worker,) = router.registry.workers.values()
+    assert worker.state == "error" and not router.registry.snapshot.pool()
+    assert "configured with dp_size 4 but the engine reports 2" in (worker.error or "")
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "dprouter", "serve", "--port", "0",
+         "--worker", f"{vllm_dp2.url},dp_size=4"],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "refusing to start with misconfigured workers" in result.stderr
+
+
+async def test_an_engine_killed_mid_run_and_restarted(
+    start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Two independent single-rank servers; one dies under load and comes back."""
+    with vllm_server.VllmServer(vllm_server.free_port(), dp_size=1) as a, \
+         vllm_server.VllmServer(vllm_server.free_port(), dp_size=1) as b:  # fmt: skip
+        await asyncio.gather(asyncio.to_thread(a.wait_ready), asyncio.to_thread(b.wait_ready))
+        router = await start_router(RouterConfig(workers=(WorkerSpec(a.url), WorkerSpec(b.url))))
+        outcomes: Counter[str] = Counter()
+
+        async def one() -> None:
+            try:
+                async with http.post(router.url + "/v1/completions", json=BODY,
+                                     timeout=aiohttp.ClientTimeout(total=60)) as r:  # fmt: skip
+                    await r.read()
+                    outcomes[f"http_{r.status}"] += 1
+            except aiohttp.ClientError as exc:
+                outcomes[type(exc).__name__] += 1
+
+        load = [asyncio.create_task(one()) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        a.stop()  # killed mid-run
+        await asyncio.gather(*load)
+        await asyncio.gather(*(one() for _ in range(10)))  # served by b meanwhile
+        async with http.get(router.url + "/health") as r:
+            assert r.status == 200
+        a.start()
+        await asyncio.to_thread(a.wait_ready)
+        assert await router.settled(60)
+        served = await complete(http, router.url, 6)
+        SUMMARY.append(f"engine killed under load: client outcomes {dict(outcomes)}; "
+                       f"after restart: {dict(Counter(served))}")  # fmt: skip
+        assert set(outcomes) <= {"http_200", "http_502"}  # answered, or a clear error
+        assert outcomes["http_200"] >= 10
+        assert set(served) == {"w0", "w1"}  # traffic resumes to the restarted engine
