@@ -323,3 +323,16 @@ async def test_broken_answers_are_retried_or_reported_cleanly(
     assert events[3] == b"[DONE]"
     async with http.post(alone.url + "/v1/completions", json={"prompt": "busy"}) as r:
         assert r.status == 429 and r.headers["Retry-After"] == "3"  # the engine's own answer
+
+
+async def test_unknown_paths_and_methods_answer_in_openai_shape(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    async with http.get(router.url + "/v1/nothing") as r:
+        assert r.status == 404
+        assert (await r.json())["error"]["message"] == "no route /v1/nothing"
+    async with http.get(router.url + "/v1/completions") as r:
+        assert r.status == 405 and r.headers["Allow"] == "POST"
+        assert (await r.json())["error"]["type"] == "invalid_request_error"

@@ -122,9 +122,19 @@ def build_app(
 
 @web.middleware
 async def _last_resort(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A bug must still answer in OpenAI's error shape, and be logged with its trace."""
+    """Every answer is in OpenAI's error shape, a bug's too (and it is logged with its trace)."""
     try:
         return await handler(request)
+    except web.HTTPNotFound:
+        return error(404, f"no route {request.path}", "not_found_error")
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return error(
+            405,
+            f"{request.method} is not allowed on {request.path}; use {allowed}",
+            "invalid_request_error",
+            headers={"Allow": allowed},
+        )
     except web.HTTPException:
         raise
     except Exception:
