@@ -214,7 +214,7 @@ async def test_streamed_decode_passes_through_byte_exact(
 
     app = web.Application()
     app.router.add_post("/v1/completions", decode)
-    dialect = "sglang" if mode == "sglang" else "vllm"
+    dialect: Literal["vllm", "sglang"] = "sglang" if mode == "sglang" else "vllm"
     async with serving(app) as url:
         router = await start_router(
             RouterConfig(

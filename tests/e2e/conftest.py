@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
-
-import vllm_server
+from e2e import vllm_server  # beside prepare.sh, not part of the installed package
 
 SUMMARY: list[str] = []  # lines printed at the end of the run: what really happened
 

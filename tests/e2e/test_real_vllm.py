@@ -9,10 +9,10 @@ from collections import Counter
 
 import aiohttp
 import pytest
-import vllm_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from dprouter.config import RouterConfig, WorkerSpec
+from e2e import vllm_server
 from tests.conftest import StartRouter
 from tests.e2e.conftest import SUMMARY
 
@@ -32,8 +32,9 @@ async def engine_counts(http: aiohttp.ClientSession, url: str, name: str) -> Cou
     return out
 
 
-async def settle_counts(http: aiohttp.ClientSession, url: str, name: str,
-                        total: int) -> Counter[str]:  # fmt: skip
+async def settle_counts(
+    http: aiohttp.ClientSession, url: str, name: str, total: int
+) -> Counter[str]:
     """vLLM publishes its stats asynchronously: poll until ``total`` is reached (<= 5 s)."""
     counts: Counter[str] = Counter()
     for _ in range(50):
@@ -44,8 +45,13 @@ async def settle_counts(http: aiohttp.ClientSession, url: str, name: str,
     return counts
 
 
-async def complete(http: aiohttp.ClientSession, url: str, n: int, body: dict[str, object] = BODY,
-                   headers: dict[str, str] | None = None) -> list[str]:  # fmt: skip
+async def complete(
+    http: aiohttp.ClientSession,
+    url: str,
+    n: int,
+    body: dict[str, object] = BODY,
+    headers: dict[str, str] | None = None,
+) -> list[str]:
     """``n`` sequential completions through ``url``; returns the targets that served them."""
     served = []
     for _ in range(n):
@@ -117,8 +123,9 @@ async def test_a_rank_the_engine_would_reject_is_never_sent(
     vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     # the engine itself refuses rank 2 (out of range [0, 2))
-    async with http.post(vllm_dp2.url + "/v1/completions", json=BODY,
-                         headers={"X-data-parallel-rank": "2"}) as r:  # fmt: skip
+    async with http.post(
+        vllm_dp2.url + "/v1/completions", json=BODY, headers={"X-data-parallel-rank": "2"}
+    ) as r:
         assert r.status == 400
         assert "out of range [0, 2)" in await r.text()
     router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url),)))
@@ -135,46 +142,83 @@ async def test_a_wrong_dp_size_is_refused_not_half_routed(
     assert "configured with dp_size 4 but the engine reports 2" in (worker.error or "")
     result = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "dprouter", "serve", "--port", "0",
-         "--worker", f"{vllm_dp2.url},dp_size=4"],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dprouter",
+            "serve",
+            "--port",
+            "0",
+            "--worker",
+            f"{vllm_dp2.url},dp_size=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 1
     assert "refusing to start with misconfigured workers" in result.stderr
 
 
-async def test_an_engine_killed_mid_run_and_restarted(
+async def test_two_single_rank_servers_are_two_rankless_targets(
     start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    """Two independent single-rank servers; one dies under load and comes back."""
-    with vllm_server.VllmServer(vllm_server.free_port(), dp_size=1) as a, \
-         vllm_server.VllmServer(vllm_server.free_port(), dp_size=1) as b:  # fmt: skip
+    """The second layout: independent dp-1 servers (what vLLM's external LB runs)."""
+    with (
+        vllm_server.VllmServer(vllm_server.free_port(), dp_size=1) as a,
+        vllm_server.VllmServer(vllm_server.free_port(), dp_size=1) as b,
+    ):
         await asyncio.gather(asyncio.to_thread(a.wait_ready), asyncio.to_thread(b.wait_ready))
         router = await start_router(RouterConfig(workers=(WorkerSpec(a.url), WorkerSpec(b.url))))
-        outcomes: Counter[str] = Counter()
-
-        async def one() -> None:
-            try:
-                async with http.post(router.url + "/v1/completions", json=BODY,
-                                     timeout=aiohttp.ClientTimeout(total=60)) as r:  # fmt: skip
-                    await r.read()
-                    outcomes[f"http_{r.status}"] += 1
-            except aiohttp.ClientError as exc:
-                outcomes[type(exc).__name__] += 1
-
-        load = [asyncio.create_task(one()) for _ in range(20)]
-        await asyncio.sleep(0.05)
-        a.stop()  # killed mid-run
-        await asyncio.gather(*load)
-        await asyncio.gather(*(one() for _ in range(10)))  # served by b meanwhile
-        async with http.get(router.url + "/health") as r:
-            assert r.status == 200
-        a.start()
-        await asyncio.to_thread(a.wait_ready)
-        assert await router.settled(60)
+        assert [(w.dialect, w.ranks) for w in router.registry.workers.values()] == [
+            ("vllm", 1),
+            ("vllm", 1),
+        ]
         served = await complete(http, router.url, 6)
-        SUMMARY.append(f"engine killed under load: client outcomes {dict(outcomes)}; "
-                       f"after restart: {dict(Counter(served))}")  # fmt: skip
-        assert set(outcomes) <= {"http_200", "http_502"}  # answered, or a clear error
-        assert outcomes["http_200"] >= 10
-        assert set(served) == {"w0", "w1"}  # traffic resumes to the restarted engine
+        counts = [await settle_counts(http, s.url, "vllm:request_success_total", 3) for s in (a, b)]
+        SUMMARY.append(
+            f"two dp-1 servers, 6 requests: {dict(Counter(served))}, "
+            f"engines counted {[dict(c) for c in counts]}"
+        )
+        assert Counter(served) == {"w0": 3, "w1": 3}
+        assert [sum(c.values()) for c in counts] == [3, 3]
+
+
+async def test_the_engine_killed_mid_run_then_restarted(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Last in this file: it kills the shared server (and brings it back)."""
+    router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url),)))
+    outcomes: Counter[str] = Counter()
+
+    async def one(body: dict[str, object]) -> None:
+        try:
+            async with http.post(
+                router.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)
+            ) as r:
+                await r.read()
+                outcomes[f"http_{r.status}"] += 1
+        except aiohttp.ClientError as exc:
+            outcomes[type(exc).__name__] += 1
+
+    long = {**BODY, "max_tokens": 200}
+    load = [asyncio.create_task(one(long)) for _ in range(8)]
+    await asyncio.sleep(0.5)  # in flight on the engine
+    await asyncio.to_thread(vllm_dp2.kill)
+    await asyncio.wait_for(asyncio.gather(*load), 60)  # every client answered: none hangs
+    await asyncio.gather(*(one(BODY) for _ in range(4)))  # while the engine is down
+    async with http.get(router.url + "/health") as r:
+        assert r.status == 200
+    assert not router.registry.snapshot.pool()  # out until it answers again
+    await asyncio.to_thread(vllm_dp2.start)
+    await asyncio.to_thread(vllm_dp2.wait_ready)
+    assert await router.settled(60)
+    served = await complete(http, router.url, 4)
+    SUMMARY.append(
+        f"engine killed with 8 in flight: client outcomes {dict(outcomes)}; "
+        f"after restart: {dict(Counter(served))}"
+    )
+    assert set(outcomes) <= {"http_200", "http_502", "http_503"}  # answered, or a clear error
+    assert outcomes["http_502"] + outcomes["http_503"] >= 4
+    assert Counter(served) == {"w0/0": 2, "w0/1": 2}  # traffic resumes on both ranks
