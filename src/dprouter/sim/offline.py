@@ -39,6 +39,7 @@ class Cluster:
 
 Route = Callable[[Cluster, Arrival], tuple[int, int | None]]
 OnFinish = Callable[[Arrival, SimRequest], None]
+INF = float("inf")
 MAX_STEPS = 1 << 20  # decode-only runs are simulated as one event until the first finish
 
 
@@ -46,6 +47,8 @@ MAX_STEPS = 1 << 20  # decode-only runs are simulated as one event until the fir
 class _Usage:
     waiting_area: float = 0.0
     max_waiting: int = 0
+    load_area: float = 0.0  # running + waiting, integrated over time
+    max_load: int = 0
     routed: int = 0
 
 
@@ -62,44 +65,54 @@ class OfflineSim:
         self.cluster = Cluster(engines)
         self._usage = {(e, r.index): _Usage() for e, eng in enumerate(engines) for r in eng.ranks}
         self._owner = {id(s): e for e, eng in enumerate(engines) for s in eng.steppers}
+        self._later: list[tuple[float, int, Arrival]] = []  # arrivals injected while running
+        self._seq = itertools.count()
+
+    def inject(self, arrival: Arrival) -> None:
+        """Schedule one more arrival (no earlier than now): closed-loop clients call this
+        from ``on_finish`` to send a session's next turn."""
+        heapq.heappush(self._later, (max(arrival.time, self.cluster.now), next(self._seq), arrival))
 
     def run(self, arrivals: Iterable[Arrival]) -> SimReport:
         cpu0 = time.process_time()
-        heap: list[tuple[float, int, StepPlan]] = []
-        seq = itertools.count()
+        steps: list[tuple[float, int, StepPlan]] = []
+        seq = self._seq
         done: list[SimRequest] = []
         origin: dict[str, Arrival] = {}
         engines = self.cluster.engines
+        source = iter(arrivals)
+        head = next(source, None)
+        count = itertools.count()
 
         def kick(stepper: Stepper, now: float) -> None:
             plan = stepper.begin(now, self.max_steps)
             if plan is not None:
-                heapq.heappush(heap, (plan.end, next(seq), plan))
+                heapq.heappush(steps, (plan.end, next(seq), plan))
 
-        def step_until(limit: float) -> None:
-            while heap and heap[0][0] <= limit:
-                t, _, plan = heapq.heappop(heap)
-                stepper = plan.stepper
-                if plan is not stepper.running or t != plan.end:
-                    continue  # superseded: the run was truncated and pushed again
-                self.cluster.now = t
-                e = self._owner[id(stepper)]
-                for rank, part in plan.parts:
-                    use = self._usage[(e, rank.index)]
-                    use.waiting_area += part.waiting * plan.duration
-                    use.max_waiting = max(use.max_waiting, part.waiting)
-                events = engines[e].end(plan, t)
-                for req in events.finished:
-                    done.append(req)
-                    if self.on_finish is not None:
-                        self.on_finish(origin.pop(req.rid), req)
-                kick(stepper, t)
+        def end_step() -> None:
+            t, _, plan = heapq.heappop(steps)
+            stepper = plan.stepper
+            if plan is not stepper.running or t != plan.end:
+                return  # superseded: the run was truncated and pushed again
+            self.cluster.now = t
+            e = self._owner[id(stepper)]
+            for rank, part in plan.parts:
+                use = self._usage[(e, rank.index)]
+                use.waiting_area += part.waiting * plan.duration
+                use.max_waiting = max(use.max_waiting, part.waiting)
+                use.load_area += (part.waiting + part.running) * plan.duration
+                use.max_load = max(use.max_load, part.waiting + part.running)
+            events = engines[e].end(plan, t)
+            for req in events.finished:
+                done.append(req)
+                if self.on_finish is not None:
+                    self.on_finish(origin.pop(req.rid), req)
+            kick(stepper, t)
 
-        for n, arrival in enumerate(arrivals):
-            step_until(arrival.time)
+        def arrive(arrival: Arrival) -> None:
             self.cluster.now = arrival.time
             e, rank = self.route(self.cluster, arrival)
-            rid = f"r{n}"
+            rid = f"r{next(count)}"
             req = SimRequest(
                 rid,
                 list(arrival.prompt_ids),
@@ -115,8 +128,21 @@ class OfflineSim:
                 kick(stepper, arrival.time)
             elif stepper.truncate(arrival.time):
                 plan = stepper.running
-                heapq.heappush(heap, (plan.end, next(seq), plan))
-        step_until(float("inf"))
+                heapq.heappush(steps, (plan.end, next(seq), plan))
+
+        while True:
+            later = self._later[0][0] if self._later else INF
+            t_arrival = min(head.time if head is not None else INF, later)
+            if steps and steps[0][0] <= t_arrival:
+                end_step()  # may inject arrivals: look again before the next one
+            elif t_arrival < INF:
+                if head is not None and head.time <= later:
+                    arrive(head)
+                    head = next(source, None)
+                else:
+                    arrive(heapq.heappop(self._later)[2])
+            else:
+                break
         return self._report(done, time.process_time() - cpu0)
 
     def _report(self, done: list[SimRequest], cpu: float) -> SimReport:
@@ -134,6 +160,8 @@ class OfflineSim:
                         busy=s.busy_time / makespan if makespan else 0.0,
                         mean_waiting=use.waiting_area / makespan if makespan else 0.0,
                         max_waiting=use.max_waiting,
+                        mean_load=use.load_area / makespan if makespan else 0.0,
+                        max_load=use.max_load,
                         prefix_hit_rate=s.prefix_hits / s.prefix_queries
                         if s.prefix_queries
                         else 0.0,

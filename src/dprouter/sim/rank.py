@@ -25,6 +25,7 @@ class RankPlan:
     chunks: list[tuple[SimRequest, int]]
     steps: int  # > 1 only for decode-only work: steps until the first request finishes
     waiting: int  # queue length once admission is done
+    running: int  # batch size once admission is done
 
 
 @dataclass
@@ -103,7 +104,9 @@ class Rank:
         if max_steps > 1 and not chunks:
             steps = min(max_steps, self.decoding.steps_to_next_finish())
         decode = list(self.decoding.members.values()) if self.track_tokens else []
-        return RankPlan(cost * self.slow, decode, n_decode, chunks, steps, len(self.waiting))
+        return RankPlan(
+            cost * self.slow, decode, n_decode, chunks, steps, len(self.waiting), self.num_running
+        )
 
     def _admit(self, now: float) -> None:
         limits = self.limits

@@ -17,6 +17,8 @@ class RankUse:
     mean_waiting: float  # time-weighted waiting-queue length
     max_waiting: int
     prefix_hit_rate: float
+    mean_load: float = 0.0  # time-weighted running + waiting (outstanding on the rank)
+    max_load: int = 0
 
 
 @dataclass(frozen=True)
