@@ -206,3 +206,40 @@ def test_multi_step_fast_path_gives_the_same_timeline_as_single_steps() -> None:
         return sorted(seen)
 
     assert timeline(1) == timeline(1 << 20)
+
+
+def test_kv_read_costs_grow_each_step_and_the_fast_path_keeps_up() -> None:
+    kv = CostModel(decode_per_kv_token=2e-7)
+    configs = [
+        EngineConfig(dp_size=2, cost=kv),
+        EngineConfig(dp_size=2, cost=kv, dp_attention=True),
+    ]
+    arrivals = [
+        Arrival(0.002 * i, list(range(i * 7, i * 7 + 300 + i % 5 * 200)), 40 + i % 9 * 30)
+        for i in range(120)
+    ]
+
+    def finishes(max_steps: int) -> list[float]:
+        seen: list[float] = []
+        count = iter(range(10**9))
+
+        def route(cluster: Cluster, a: Arrival) -> tuple[int, int | None]:
+            n = next(count)
+            return n % 2, n // 2 % 2
+
+        def finished(a: Arrival, r: SimRequest) -> None:
+            seen.append(r.finished_at or 0.0)
+
+        OfflineSim(configs, route, on_finish=finished, max_steps=max_steps).run(arrivals)
+        return sorted(seen)
+
+    exact, fast = finishes(1), finishes(1 << 20)
+    assert max(abs(a - b) / a for a, b in zip(exact, fast, strict=True)) < 0.01
+    plain = Engine(EngineConfig(cost=kv))
+    r = req("kv", 1000, 3, rank=0)
+    plain.add(r, 0.0)
+    run(plain)
+    # prefill, then two decode steps that read 1001 and 1002 tokens of KV
+    prefill = COST.step_base + COST.prefill_per_token * 1000 + 2e-7 * 1000
+    decode = [COST.step_base + COST.decode_per_seq + 2e-7 * k for k in (1001, 1002)]
+    assert r.finished_at == pytest.approx(prefill + sum(decode))

@@ -16,7 +16,8 @@ from e2e import vllm_server
 from tests.conftest import StartRouter
 from tests.e2e.conftest import SUMMARY
 
-pytestmark = pytest.mark.realvllm
+# a vLLM server takes a minute or more to start on two cores
+pytestmark = [pytest.mark.realvllm, pytest.mark.timeout(600)]
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
 
 

@@ -22,10 +22,17 @@ class CostModel:
     step_base: float = 6.0e-3  # every step reads all weights once
     decode_per_seq: float = 8.0e-5  # each decoding sequence reads its KV
     prefill_per_token: float = 4.0e-5  # each uncached prompt token computed
+    decode_per_kv_token: float = 0.0  # each token of KV held by the batch, read every step
     max_batched_tokens: int = 8192  # chunked-prefill budget per step (decodes count 1 each)
 
     def __post_init__(self) -> None:
-        if min(self.step_base, self.decode_per_seq, self.prefill_per_token) < 0:
+        costs = (
+            self.step_base,
+            self.decode_per_seq,
+            self.prefill_per_token,
+            self.decode_per_kv_token,
+        )
+        if min(costs) < 0:
             raise ValueError("cost constants must be >= 0")
         if self.max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1")

@@ -43,6 +43,7 @@ class Stepper:
         self.ranks = ranks
         self.running: StepPlan | None = None
         self.busy_time = 0.0
+        self.steps = 0
 
     def has_work(self) -> bool:
         return any(r.has_work() for r in self.ranks)
@@ -57,7 +58,8 @@ class Stepper:
         steps = min(p.steps for _, p in parts)
         for _, p in parts:
             p.steps = steps
-        self.running = StepPlan(self, now, max(p.cost for _, p in parts), steps, parts)
+        step_time = max(r.step_cost(p, steps) for r, p in parts)
+        self.running = StepPlan(self, now, step_time, steps, parts)
         return self.running
 
     def truncate(self, now: float) -> bool:
@@ -72,6 +74,7 @@ class Stepper:
         plan.steps = steps
         for _, p in plan.parts:
             p.steps = steps
+        plan.step_time = max(r.step_cost(p, steps) for r, p in plan.parts)
         return True
 
     def end(self, plan: StepPlan, now: float) -> StepEvents:
@@ -79,6 +82,7 @@ class Stepper:
             raise RuntimeError("ending a step that is not running")
         self.running = None
         self.busy_time += plan.duration
+        self.steps += plan.steps
         events = StepEvents()
         for rank, part in plan.parts:
             rank.commit(part, now, events)

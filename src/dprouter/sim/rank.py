@@ -16,10 +16,13 @@ from dprouter.sim.prefix import PrefixCache, block_hashes
 from dprouter.sim.request import Phase, SimRequest
 from dprouter.sim.stats import RankStats
 
+KV_RUN = 32  # longest multi-step run when KV reads make each step cost more than the last
+
 
 @dataclass
 class RankPlan:
-    cost: float  # seconds per step
+    cost: float  # seconds of the first step
+    growth: float  # added per step: the batch's KV grows by one token per sequence
     decode: list[SimRequest]  # decoding requests, listed only when tokens are tracked
     n_decode: int
     chunks: list[tuple[SimRequest, int]]
@@ -100,13 +103,28 @@ class Rank:
             return None
         c = self.cost
         cost = c.step_base + c.decode_per_seq * n_decode + c.prefill_per_token * prefill_tokens
+        cost += c.decode_per_kv_token * self.kv_used
         steps = 1
+        growth = c.decode_per_kv_token * n_decode * self.slow
         if max_steps > 1 and not chunks:
             steps = min(max_steps, self.decoding.steps_to_next_finish())
+            if growth > 0:
+                steps = min(steps, KV_RUN)  # a step's cost drifts as the KV grows
         decode = list(self.decoding.members.values()) if self.track_tokens else []
         return RankPlan(
-            cost * self.slow, decode, n_decode, chunks, steps, len(self.waiting), self.num_running
+            cost * self.slow,
+            growth,
+            decode,
+            n_decode,
+            chunks,
+            steps,
+            len(self.waiting),
+            self.num_running,
         )
+
+    def step_cost(self, plan: RankPlan, steps: int) -> float:
+        """Mean cost of ``steps`` steps of ``plan`` (exact: the cost grows linearly)."""
+        return plan.cost + plan.growth * (steps - 1) / 2
 
     def _admit(self, now: float) -> None:
         limits = self.limits
@@ -136,7 +154,7 @@ class Rank:
     def commit(self, plan: RankPlan, now: float, events: StepEvents) -> None:
         stats = self.stats
         steps = plan.steps
-        stats.busy_time += plan.cost * steps
+        stats.busy_time += self.step_cost(plan, steps) * steps
         stats.steps += steps
         decoding = self.decoding
         if decoding:

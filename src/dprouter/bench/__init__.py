@@ -1,0 +1,1 @@
+"""``dprouter bench``: the seed scenarios, policies and peers measured side by side."""

@@ -1,0 +1,127 @@
+"""Seeded workloads for the offline scenarios.
+
+Token ids stand for text: a turn's prompt is the whole conversation so far
+(system prompt, earlier turns, the new message), so an engine's prefix cache
+sees what a real one would -- except the answers' own KV, which the simulated
+engines do not keep (hit rates here are a little low, for every policy alike).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from dprouter.sim.offline import Arrival
+from dprouter.sim.request import SimRequest
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.getrandbits(24) for _ in range(n)]
+
+
+@dataclass
+class _Session:
+    key: str
+    context: list[int]
+    turns_left: int
+    started: float = 0.0
+    sent: dict[int, float] = field(default_factory=dict)  # id(arrival) -> time it was sent
+
+
+@dataclass
+class RolloutSessions:
+    """RL rollouts: agentic sessions with long, heavy-tailed decodes and no think time.
+
+    Every session runs ``turns`` turns back to back; a turn's output length is
+    log-normal (median ``decode_median``, capped), the next prompt adds a tool
+    result of 100-600 tokens. ``deadline`` marks turns that took too long, the
+    way a rollout's timeout does."""
+
+    sessions: int = 128
+    turns: int = 6
+    decode_median: int = 900
+    decode_sigma: float = 0.9
+    decode_cap: int = 6000
+    system: int = 400
+    seed: int = 0
+    spread: float = 2.0  # sessions start over this many seconds
+    deadline: float = 120.0
+    max_context: int = 30_000  # a session ends before its context would outgrow the engines
+    latencies: list[float] = field(default_factory=list)
+    _rng: random.Random = field(init=False)
+    _state: dict[str, _Session] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._state = {}
+
+    def _decode(self) -> int:
+        n = int(self._rng.lognormvariate(0, self.decode_sigma) * self.decode_median)
+        return max(16, min(self.decode_cap, n))
+
+    def first_turns(self) -> list[Arrival]:
+        system = tokens(self._rng, self.system)
+        out = []
+        for i in range(self.sessions):
+            s = _Session(f"rollout-{i}", system + tokens(self._rng, 200), self.turns)
+            self._state[s.key] = s
+            t = self._rng.uniform(0, self.spread)
+            out.append(Arrival(t, list(s.context), self._decode(), key=s.key))
+        return sorted(out, key=lambda a: a.time)
+
+    def next_turn(self, done: Arrival, req: SimRequest, now: float) -> Arrival | None:
+        self.latencies.append(now - done.time)
+        s = self._state[done.key or ""]
+        s.turns_left -= 1
+        if s.turns_left <= 0:
+            return None
+        s.context = s.context + tokens(self._rng, done.max_tokens + self._rng.randint(100, 600))
+        decode = self._decode()
+        if len(s.context) + decode > self.max_context:
+            return None
+        return Arrival(now, list(s.context), decode, key=s.key)
+
+    def past_deadline(self) -> int:
+        return sum(1 for x in self.latencies if x > self.deadline)
+
+
+@dataclass
+class ChatSessions:
+    """Multi-turn chat: ``systems`` shared system prompts (0: every session its own, the
+    low-sharing control), a few turns each, a pause to read between turns."""
+
+    sessions: int = 400
+    turns: int = 4
+    systems: int = 8
+    system_len: int = 1500
+    seed: int = 0
+    spread: float = 20.0
+    think: float = 2.0
+    _rng: random.Random = field(init=False)
+    _state: dict[str, _Session] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._state = {}
+
+    def first_turns(self) -> list[Arrival]:
+        shared = [tokens(self._rng, self.system_len) for _ in range(max(self.systems, 1))]
+        out = []
+        for i in range(self.sessions):
+            system = shared[i % len(shared)] if self.systems else tokens(self._rng, self.system_len)
+            s = _Session(
+                f"chat-{i}", system + tokens(self._rng, self._rng.randint(20, 120)), self.turns
+            )
+            self._state[s.key] = s
+            t = self._rng.uniform(0, self.spread)
+            out.append(Arrival(t, list(s.context), self._rng.randint(40, 240), key=s.key))
+        return sorted(out, key=lambda a: a.time)
+
+    def next_turn(self, done: Arrival, req: SimRequest, now: float) -> Arrival | None:
+        s = self._state[done.key or ""]
+        s.turns_left -= 1
+        if s.turns_left <= 0:
+            return None
+        s.context = s.context + tokens(self._rng, done.max_tokens + self._rng.randint(20, 120))
+        when = now + self._rng.expovariate(1 / self.think)
+        return Arrival(when, list(s.context), self._rng.randint(40, 240), key=s.key)
