@@ -67,20 +67,46 @@ class Worker:
 class Target:
     """One routable unit. Equal by identity; ``label`` names it in logs and metrics."""
 
-    __slots__ = ("label", "outstanding", "outstanding_tokens", "rank", "reported", "worker")
+    __slots__ = (
+        "_outstanding",
+        "_reported",
+        "label",
+        "load",
+        "outstanding_tokens",
+        "rank",
+        "worker",
+    )
 
     def __init__(self, worker: Worker, rank: int | None) -> None:
         self.worker = worker
         self.rank = rank
         self.label = worker.id if rank is None else f"{worker.id}/{rank}"
-        self.outstanding = 0  # requests the router has in flight here
-        self.outstanding_tokens = 0  # their prompt + expected output tokens
-        self.reported = 0  # running + waiting the engine last reported for this rank
+        self._outstanding = 0
+        self._reported = 0
+        # the router's own count, or the engine's when it knows of more (other clients);
+        # kept up to date on every change so that policies compare it at C speed
+        self.load = 0
+        self.outstanding_tokens = 0  # prompt + expected output tokens of those in flight
 
     @property
-    def load(self) -> int:
-        """The router's own count, or the engine's when it knows of more (other clients)."""
-        return max(self.outstanding, self.reported)
+    def outstanding(self) -> int:
+        """Requests the router has in flight here."""
+        return self._outstanding
+
+    @outstanding.setter
+    def outstanding(self, value: int) -> None:
+        self._outstanding = value
+        self.load = max(value, self._reported)
+
+    @property
+    def reported(self) -> int:
+        """Running + waiting the engine last reported for this rank."""
+        return self._reported
+
+    @reported.setter
+    def reported(self, value: int) -> None:
+        self._reported = value
+        self.load = max(self._outstanding, value)
 
     @property
     def rank_label(self) -> str:

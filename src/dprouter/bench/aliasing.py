@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from dprouter.bench.plots import bars
-from dprouter.bench.results import Result
+from dprouter.bench.results import Result, Table
 from dprouter.policies import RequestInfo, make_policy
 from dprouter.registry import Registry
 from dprouter.targets import Worker
@@ -104,16 +104,20 @@ def run(quick: bool, out: Path) -> Result:
             "as the toy proxy did, dprouter's round_robin run as the router runs it (the "
             "real policy over the real registry). Used: slots reached in the worst cycle."
         ),
-        columns=[
-            "shape (one role)",
-            "slots",
-            "old: used/cycle",
-            "old: never used",
-            "dprouter: used/cycle",
-            "dprouter: never used",
-            "dprouter: per slot",
+        tables=[
+            Table(
+                [
+                    "shape (one role)",
+                    "slots",
+                    "old: used/cycle",
+                    "old: never used",
+                    "dprouter: used/cycle",
+                    "dprouter: never used",
+                    "dprouter: per slot",
+                ],
+                rows,
+            )
         ],
-        rows=rows,
         verdict=(
             "The old scheme leaves 50% of the ranks idle at 2 x DP8 (every second rank of "
             "each instance); dprouter reaches every slot of every shape evenly."

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dprouter.bench.harness import SimRouter, run_sessions
 from dprouter.bench.plots import bars
-from dprouter.bench.results import Cell, Result
+from dprouter.bench.results import Cell, Result, Table
 from dprouter.bench.workloads import RolloutSessions
 from dprouter.policies import PolicyOptions
 from dprouter.sim.config import CostModel, EngineConfig, RankLimits
@@ -140,19 +140,23 @@ def run(quick: bool, out: Path) -> Result:
             "mean: time-averaged outstanding per rank, within each engine. Late: turns "
             "longer than 120 s."
         ),
-        columns=[
-            "routing",
-            "step / TP-only",
-            "busiest / mean rank",
-            "max outstanding",
-            "max queued",
-            "TTFT p50 s",
-            "TTFT p99 s",
-            "TPOT p50 ms",
-            "TPOT p99 ms",
-            "late",
+        tables=[
+            Table(
+                [
+                    "routing",
+                    "step / TP-only",
+                    "busiest / mean rank",
+                    "max outstanding",
+                    "max queued",
+                    "TTFT p50 s",
+                    "TTFT p99 s",
+                    "TPOT p50 ms",
+                    "TPOT p99 ms",
+                    "late",
+                ],
+                rows,
+            )
         ],
-        rows=rows,
         verdict=(
             f"Not DP-aware, step time is {blind['step_ms'] / reference:.2f}x the TP-only "
             f"reference with up to {int(blind['max_waiting'])} requests queued on one rank; "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dprouter.bench.harness import SimRouter, run_sessions
 from dprouter.bench.plots import bars
-from dprouter.bench.results import Cell, Result
+from dprouter.bench.results import Cell, Result, Table
 from dprouter.bench.workloads import ChatSessions
 from dprouter.sim.config import EngineConfig, RankLimits
 
@@ -94,16 +94,20 @@ def run(quick: bool, out: Path) -> Result:
             "cost model; TTFT/throughput from the simulated engines, hit rate from their "
             "prefix-cache counters, imbalance = busiest rank's requests / mean."
         ),
-        columns=[
-            "policy",
-            "system prompts",
-            "TTFT p50 ms",
-            "TTFT p99 ms",
-            "tokens/s",
-            "hit rate",
-            "imbalance",
+        tables=[
+            Table(
+                [
+                    "policy",
+                    "system prompts",
+                    "TTFT p50 ms",
+                    "TTFT p99 ms",
+                    "tokens/s",
+                    "hit rate",
+                    "imbalance",
+                ],
+                rows,
+            )
         ],
-        rows=rows,
         verdict=(
             f"{best} keeps the most KV ({shared[best]['hit_rate']:.0%} of prompt tokens "
             f"hit vs {rr['hit_rate']:.0%} for round_robin) with shared system prompts; "

@@ -13,30 +13,46 @@ Cell = str | int | float | None
 
 
 @dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[Cell]]
+    title: str = ""
+
+    def text(self) -> str:
+        cells = [[_fmt(c) for c in row] for row in self.rows]
+        widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(self.columns)]
+        out = [self.title] if self.title else []
+        out.append("  ".join(h.ljust(w) for h, w in zip(self.columns, widths, strict=True)))
+        out.append("  ".join("-" * w for w in widths))
+        out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+        return "\n".join(out)
+
+    def markdown(self) -> list[str]:
+        out = [f"*{self.title}*", ""] if self.title else []
+        out.append("| " + " | ".join(self.columns) + " |")
+        out.append("|" + "---|" * len(self.columns))
+        out += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in self.rows]
+        return [*out, ""]
+
+
+@dataclass
 class Result:
     scenario: str
     title: str
     method: str  # how it was measured: every figure says so
-    columns: list[str]
-    rows: list[list[Cell]]
+    tables: list[Table]
     verdict: str  # the headline, one sentence
     checks: dict[str, bool] = field(default_factory=dict)  # what the issue asks, and whether met
     plots: list[str] = field(default_factory=list)  # file names under the output folder
     data: dict[str, Any] = field(default_factory=dict)  # raw numbers for the JSON file
 
     def table(self) -> str:
-        cells = [[_fmt(c) for c in row] for row in self.rows]
-        widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(self.columns)]
-        line = "  ".join(h.ljust(w) for h, w in zip(self.columns, widths, strict=True))
-        out = [line, "  ".join("-" * w for w in widths)]
-        out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-        return "\n".join(out)
+        return "\n\n".join(t.text() for t in self.tables)
 
     def markdown(self) -> str:
         out = [f"## {self.title}", "", self.verdict, "", f"*How:* {self.method}", ""]
-        out.append("| " + " | ".join(self.columns) + " |")
-        out.append("|" + "---|" * len(self.columns))
-        out += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in self.rows]
+        for t in self.tables:
+            out += t.markdown()
         if self.checks:
             out += ["", "Checks:", ""]
             out += [

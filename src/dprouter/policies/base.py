@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 from typing import Literal, Protocol
 
 from dprouter.targets import Target
@@ -42,16 +44,18 @@ class Policy(Protocol):
         ...
 
 
+LOAD = attrgetter("load")
+
+
+def rotated(targets: Sequence[Target], start: int) -> Iterable[Target]:
+    """``targets`` from index ``start`` round to just before it."""
+    s = start % len(targets)
+    return chain(targets[s:], targets[:s]) if s else targets
+
+
 def least_loaded(targets: Sequence[Target], start: int = 0) -> Target:
     """Fewest outstanding; ties go to the first from ``start`` (callers rotate it)."""
-    n = len(targets)
-    best = targets[start % n]
-    best_load = best.load
-    for i in range(1, n):
-        t = targets[(start + i) % n]
-        if t.load < best_load:
-            best, best_load = t, t.load
-    return best
+    return min(rotated(targets, start), key=LOAD)
 
 
 def make_rng(options: PolicyOptions) -> random.Random:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dprouter.policies.base import PolicyOptions, RequestInfo, least_loaded
+from dprouter.policies.base import LOAD, PolicyOptions, RequestInfo, least_loaded
 from dprouter.targets import Target
 
 BLOCK = 64  # characters per block
@@ -37,14 +37,16 @@ class CacheAware:
         self.threshold = options.cache_threshold
         self.balance_abs = options.balance_abs
         self.balance_rel = options.balance_rel
-        self.seen: dict[str, OrderedDict[int, None]] = {}
+        self.seen: dict[str, OrderedDict[int, None]] = {}  # per target, oldest block first
+        self.owners: dict[int, set[str]] = {}  # block -> targets holding it (an inverted index)
+        self._pool: Sequence[Target] | None = None
+        self._by_label: dict[str, Target] = {}
         self.start = 0
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
         blocks = text_blocks(request.text)
-        loads = [t.load for t in targets]
-        hi, lo = max(loads), min(loads)
+        hi, lo = max(targets, key=LOAD).load, min(targets, key=LOAD).load
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             chosen = least_loaded(targets, self.start)
         else:
@@ -53,27 +55,32 @@ class CacheAware:
         return chosen
 
     def _best_match(self, targets: Sequence[Target], blocks: list[int]) -> Target | None:
-        best: Target | None = None
-        best_n = 0
-        for t in targets:
-            seen = self.seen.get(t.label)
-            if not seen:
-                continue
-            n = 0
-            for h in blocks:
-                if h not in seen:
-                    break
-                n += 1
-            if n > best_n or (n == best_n and best is not None and t.load < best.load):
-                best, best_n = t, n
-        if best is None or best_n < self.threshold * len(blocks):
+        """The least loaded of the targets holding the longest run of leading blocks."""
+        if targets is not self._pool:
+            self._pool, self._by_label = targets, {t.label: t for t in targets}
+        holders: set[str] | None = None
+        depth = 0
+        for h in blocks:
+            owners = self.owners.get(h)
+            if not owners:
+                break
+            narrower = owners.intersection(self._by_label) if holders is None else holders & owners
+            if not narrower:
+                break
+            holders, depth = narrower, depth + 1
+        if holders is None or depth < self.threshold * len(blocks):
             return None
-        return best
+        return min((self._by_label[label] for label in sorted(holders)), key=LOAD)
 
     def _remember(self, target: Target, blocks: list[int]) -> None:
         seen = self.seen.setdefault(target.label, OrderedDict())
         for h in blocks:
             seen[h] = None
             seen.move_to_end(h)
+            self.owners.setdefault(h, set()).add(target.label)
         while len(seen) > CAPACITY:
-            seen.popitem(last=False)
+            old, _ = seen.popitem(last=False)
+            holders = self.owners[old]
+            holders.discard(target.label)
+            if not holders:
+                del self.owners[old]

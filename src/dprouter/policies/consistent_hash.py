@@ -2,7 +2,9 @@
 
 Each target scores ``mix(hash(key) ^ hash(target))`` and the highest wins, so
 adding a target moves only the keys it now wins (about 1/n) and removing one
-moves only its own keys. Requests with no key are spread at random.
+moves only its own keys. A key's winner is remembered until the snapshot
+changes, so a returning session costs a dictionary lookup, not a scan. Requests
+with no key are spread at random.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dprouter.policies.base import PolicyOptions, RequestInfo, make_rng
 from dprouter.targets import Target
 
 MASK = (1 << 64) - 1
+CACHE = 100_000  # winners remembered per snapshot: a key's winner only changes with the pool
 
 
 def hash64(text: str) -> int:
@@ -34,6 +37,10 @@ class ConsistentHash:
     def __init__(self, options: PolicyOptions) -> None:
         self.rng = make_rng(options)
         self._seeds: dict[str, int] = {}
+        self._pool: Sequence[Target] | None = None
+        self._chosen: dict[str, Target] = {}  # key -> winner, for the pool last seen
+        self._seeded: Sequence[Target] | None = None
+        self._pairs: list[tuple[int, Target]] = []
 
     def _seed(self, target: Target) -> int:
         seed = self._seeds.get(target.label)
@@ -44,5 +51,14 @@ class ConsistentHash:
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         if request.key is None:
             return targets[self.rng.randrange(len(targets))]
-        k = hash64(request.key)
-        return max(targets, key=lambda t: mix(k ^ self._seed(t)))
+        if targets is not self._pool:  # a new snapshot (or a retry's subset): forget winners
+            self._pool, self._chosen = targets, {}
+        found = self._chosen.get(request.key)
+        if found is None:
+            if len(self._seeds) < len(targets) or targets is not self._seeded:
+                self._seeded, self._pairs = targets, [(self._seed(t), t) for t in targets]
+            k = hash64(request.key)
+            found = max(self._pairs, key=lambda p: mix(k ^ p[0]))[1]
+            if len(self._chosen) < CACHE:
+                self._chosen[request.key] = found
+        return found

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dprouter.policies.base import PolicyOptions, RequestInfo
+from dprouter.policies.base import PolicyOptions, RequestInfo, rotated
 from dprouter.targets import Target
 
 
@@ -21,13 +21,9 @@ class MinTokens:
         self.start = 0
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
-        n = len(targets)
         self.start += 1
-        best = targets[self.start % n]
-        best_key = (best.outstanding_tokens, best.worker.outstanding_tokens)
-        for i in range(1, n):
-            t = targets[(self.start + i) % n]
-            key = (t.outstanding_tokens, t.worker.outstanding_tokens)
-            if key < best_key:
-                best, best_key = t, key
-        return best
+        return min(rotated(targets, self.start), key=_tokens)
+
+
+def _tokens(t: Target) -> tuple[int, int]:
+    return t.outstanding_tokens, t.worker.outstanding_tokens

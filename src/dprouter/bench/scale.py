@@ -1,0 +1,132 @@
+"""Scenario 7, scale: what a decision costs at thousands of targets, and how it routes.
+
+Decision cost: the router's policies choosing among N targets whose loads
+vary, timed on this machine's CPU (process time per decision). Routing
+quality: the offline simulator with 1,024 and 4,096 ranks (64 and 256 engines
+x DP16) under a steady chat-like load, each policy driving it.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+
+from dprouter.bench.harness import SimRouter
+from dprouter.bench.plots import lines
+from dprouter.bench.results import Cell, Result, Table
+from dprouter.policies import POLICIES, PolicyOptions, RequestInfo, make_policy
+from dprouter.registry import Registry
+from dprouter.sim.config import EngineConfig, RankLimits
+from dprouter.sim.offline import Arrival, OfflineSim
+from dprouter.targets import Target, Worker
+
+SIZES = (64, 256, 1024, 4096)
+QUALITY = ("round_robin", "least_load", "power_of_two", "cache_aware")
+
+
+def targets(n: int, seed: int = 0) -> tuple[Target, ...]:
+    registry = Registry()
+    for i in range(n // 16):
+        w = registry.add(
+            Worker(id=f"e{i}", url=f"http://10.1.{i // 250}.{i % 250}:8000", dialect="vllm")
+        )
+        w.ranks = 16
+        registry.mark_ready(w)
+    pool = registry.snapshot.pool()
+    rng = random.Random(seed)
+    for t in pool:
+        t.outstanding = rng.randint(0, 20)
+        t.outstanding_tokens = t.outstanding * rng.randint(200, 4000)
+    return pool
+
+
+def decision_us(policy: str, n: int, decisions: int) -> float:
+    pool = targets(n)
+    chooser = make_policy(policy, PolicyOptions(assignment="min_load"))
+    rng = random.Random(1)
+    infos = [
+        RequestInfo(
+            key=f"s{rng.randrange(n * 4)}",
+            text=f"system {rng.randrange(8)} " * 40,
+            tokens=rng.randint(100, 4000),
+            now=i * 0.01,
+        )
+        for i in range(decisions)
+    ]
+    t0 = time.process_time()
+    for info in infos:
+        chooser.select(pool, info)
+    return (time.process_time() - t0) / decisions * 1e6
+
+
+def quality(policy: str, ranks: int, requests: int) -> dict[str, float]:
+    configs = [EngineConfig(dp_size=16, limits=RankLimits(max_running=64))] * (ranks // 16)
+    router = SimRouter(configs, policy)
+    rng = random.Random(7)
+    systems = [[rng.getrandbits(24) for _ in range(512)] for _ in range(16)]
+    # ~60% of what the ranks can serve: busy, not saturated
+    rate = ranks * 4.0
+    t, arrivals = 0.0, []
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        tail = [rng.getrandbits(24) for _ in range(rng.randint(32, 256))]
+        arrivals.append(Arrival(t, systems[rng.randrange(16)] + tail, rng.randint(16, 128)))
+    sim = OfflineSim(configs, router.route, on_finish=router.finished)
+    report = sim.run(arrivals)
+    counts = [r.requests for r in report.ranks]
+    return {
+        "imbalance": max(counts) / statistics.mean(counts),
+        "ttft_p99": report.ttft.p99,
+        "cpu_s": report.cpu_seconds,
+    }
+
+
+def run(quick: bool, out: Path) -> Result:
+    sizes = SIZES[:3] if quick else SIZES
+    decisions = 2000 if quick else 5000
+    cost = {
+        p: [decision_us(p, n, decisions if n < 4096 else decisions // 2) for n in sizes]
+        for p in POLICIES
+    }
+    lines(
+        out / "scale.png",
+        sizes,
+        cost,
+        "policy decision cost against targets",
+        "targets",
+        "us per decision (CPU)",
+        logx=True,
+    )
+    rows: list[list[Cell]] = [[p, *cost[p]] for p in POLICIES]
+    found: dict[str, dict[str, float]] = {}
+    for ranks in (1024,) if quick else (1024, 4096):
+        for p in QUALITY:
+            found[f"{p}@{ranks}"] = quality(p, ranks, 10_000 if quick else 40_000)
+    quality_rows: list[list[Cell]] = [
+        [name, m["imbalance"], m["ttft_p99"] * 1e3] for name, m in found.items()
+    ]
+    widest = max(cost["round_robin"][-1], 1e-9)
+    slowest = max(POLICIES, key=lambda p: cost[p][-1])
+    return Result(
+        scenario="scale",
+        title="7. Scale: decision cost and routing at thousands of ranks",
+        method=(
+            f"Decision cost: CPU time of {decisions} policy decisions among N targets with "
+            "random loads (one core, the policies as the router runs them). Quality: "
+            "offline simulator, engines x DP16, Poisson chat-like load at ~60% of capacity, "
+            f"{'10,000' if quick else '40,000'} requests; imbalance = busiest rank's "
+            "requests / mean."
+        ),
+        tables=[
+            Table(["policy", *(f"us @ {n}" for n in sizes)], rows, "decision cost (CPU us)"),
+            Table(["policy @ ranks", "imbalance", "TTFT p99 ms"], quality_rows, "routing quality"),
+        ],
+        verdict=(
+            f"round_robin decides in {widest:.1f} us at {sizes[-1]} targets; the costliest, "
+            f"{slowest}, takes {cost[slowest][-1]:.0f} us there."
+        ),
+        plots=["scale.png"],
+        data={"decision_us": cost, "quality": found},
+    )
