@@ -1,0 +1,197 @@
+"""Scenario 5, overhead: what a router costs in front of a trivial, fast backend.
+
+Each router runs alone in its own process pinned to core 0; the backend and
+this load generator share core 1. Closed-loop load at 64 and 512
+connections (plain requests) and 64 connections (16-chunk streams), one
+measurement after another, side by side in one run. Router CPU is read from
+/proc (the whole process tree), peak memory is VmHWM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from dprouter.bench import peers
+from dprouter.bench.load import Outcome, closed_loop
+from dprouter.bench.plots import bars
+from dprouter.bench.procs import DPROUTER, Proc, cpu_seconds, free_port, peak_rss_mb
+from dprouter.bench.results import Cell, Result, Table
+
+LOADS = (
+    ("plain, 64 connections", 64, False),
+    ("plain, 512 connections", 512, False),
+    ("stream, 64 connections", 64, True),
+)
+ROUTER_CORE, CLIENT_CORE = "0", {1}
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int]) -> Iterator[None]:
+    """This process (the load generator) on ``cpus`` for the block."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+async def start_router(kind: str, backend: str) -> tuple[Proc | None, str]:
+    """A router of ``kind`` in front of ``backend``; (process, URL). Direct: no router."""
+    if kind == "direct":
+        return None, backend
+    port = free_port()
+    if kind == "dprouter":
+        proc = Proc(
+            [
+                *DPROUTER,
+                "serve",
+                "--worker",
+                f"{backend},dialect=vllm,dp_size=1",
+                "--port",
+                str(port),
+                "--load-interval",
+                "0",
+            ],
+            cpus=ROUTER_CORE,
+        )
+        await proc.start(r"dprouter on http://")
+    else:
+        proc = peers.router(kind, [backend], port, cpus=ROUTER_CORE)
+        await proc.start()  # polled below with real requests
+    url = f"http://127.0.0.1:{port}"
+    await peers.until_serving(url)
+    return proc, url
+
+
+async def measure(kinds: list[str], seconds: float) -> dict[str, dict[str, dict[str, float]]]:
+    backend_port = free_port()
+    backend = Proc(
+        [sys.executable, "-m", "dprouter.bench.backend", "--port", str(backend_port)], cpus="1"
+    )
+    await backend.start("ready")
+    backend_url = f"http://127.0.0.1:{backend_port}"
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    try:
+        for kind in kinds:
+            proc, url = await start_router(kind, backend_url)
+            found[kind] = {}
+            try:
+                with pinned(CLIENT_CORE):
+                    await closed_loop(url, 16, min(seconds, 2.0))  # warm up
+                    for name, conns, stream in LOADS:
+                        cpu0 = cpu_seconds(proc.pid) if proc else 0.0
+                        outcome = await closed_loop(url, conns, seconds, stream)
+                        cpu = (cpu_seconds(proc.pid) - cpu0) if proc else 0.0
+                        found[kind][name] = summary(outcome, cpu)
+                found[kind]["peak_rss_mb"] = {"value": peak_rss_mb(proc.pid) if proc else 0.0}
+            finally:
+                if proc is not None:
+                    await proc.stop()
+    finally:
+        await backend.stop()
+    return found
+
+
+def summary(o: Outcome, cpu: float) -> dict[str, float]:
+    return {
+        "rps": o.rate,
+        "p50_ms": o.latency.p50 * 1e3,
+        "p99_ms": o.latency.p99 * 1e3,
+        "chunks_s": o.chunks / o.seconds if o.seconds else 0.0,
+        "cpu_ms_per_req": cpu / o.answered * 1e3 if o.answered else 0.0,
+        "errors": float(sum(o.errors.values())),
+        "answered": float(o.answered),
+    }
+
+
+def run(quick: bool, out: Path) -> Result:
+    kinds = ["direct", "dprouter", *peers.available()]
+    found = asyncio.run(measure(kinds, 4.0 if quick else 10.0))
+    rows: list[list[Cell]] = []
+    for kind, loads in found.items():
+        for name, _, _ in LOADS:
+            m, d = loads[name], found["direct"][name]
+            rows.append(
+                [
+                    kind,
+                    name,
+                    m["rps"],
+                    m["p50_ms"],
+                    m["p99_ms"],
+                    m["p50_ms"] - d["p50_ms"] if kind != "direct" else None,
+                    m["chunks_s"] if "stream" in name else None,
+                    m["cpu_ms_per_req"] if kind != "direct" else None,
+                    int(m["errors"]),
+                    loads["peak_rss_mb"]["value"] if kind != "direct" else None,
+                ]
+            )
+    routers = [k for k in found if k != "direct"]
+    bars(
+        out / "overhead.png",
+        [name for name, _, _ in LOADS],
+        {k: [found[k][name]["cpu_ms_per_req"] for name, _, _ in LOADS] for k in routers},
+        "router CPU per request (one core, trivial backend)",
+        "ms CPU / request",
+    )
+    checks: dict[str, bool] = {}
+    gateway = found.get("sglang-gateway")
+    ours = found["dprouter"]
+    if gateway is not None:
+        stream, plain = LOADS[2][0], LOADS[0][0]
+        checks["dprouter CPU per stream <= 1.0x the SGLang gateway's"] = (
+            ours[stream]["cpu_ms_per_req"] <= gateway[stream]["cpu_ms_per_req"]
+        )
+        checks["dprouter CPU per plain request <= 1.5x the SGLang gateway's"] = (
+            ours[plain]["cpu_ms_per_req"] <= 1.5 * gateway[plain]["cpu_ms_per_req"]
+        )
+        wide = LOADS[1][0]
+        checks["dprouter p99 at 512 connections no worse than the gateway's"] = (
+            ours[wide]["p99_ms"] <= gateway[wide]["p99_ms"]
+        )
+    plain_cpu = ours[LOADS[0][0]]["cpu_ms_per_req"]
+    return Result(
+        scenario="overhead",
+        title="5. Overhead: a trivial backend, direct and through each router",
+        method=(
+            "Router alone on core 0 (taskset), trivial aiohttp backend and this closed-loop "
+            f"load generator on core 1; {4 if quick else 10} s per load after a warm-up; "
+            "added p50 = router p50 - direct p50; CPU from /proc (process tree) per answered "
+            "request; peak RSS = VmHWM. Every request checked for status 200."
+        ),
+        tables=[
+            Table(
+                [
+                    "router",
+                    "load",
+                    "req/s",
+                    "p50 ms",
+                    "p99 ms",
+                    "added p50 ms",
+                    "SSE chunks/s",
+                    "CPU ms/req",
+                    "errors",
+                    "peak RSS MB",
+                ],
+                rows,
+            )
+        ],
+        verdict=(
+            f"dprouter spends {plain_cpu:.2f} ms of CPU per plain request on one core"
+            + (
+                ""
+                if gateway is None
+                else f", {plain_cpu / gateway[LOADS[0][0]]['cpu_ms_per_req']:.1f}x the SGLang "
+                "gateway's"
+            )
+            + "."
+        ),
+        checks=checks,
+        plots=["overhead.png"],
+        data=found,
+    )

@@ -1,0 +1,110 @@
+"""The peers dprouter is compared with: the SGLang gateway and vllm-router.
+
+Both are Rust binaries inside PyPI wheels (``sglang-router``, ``vllm-router``),
+installed, pinned, into a virtual environment of their own the first time a
+scenario needs them (``~/.cache/dprouter-bench/peers``; ``DPROUTER_BENCH_HOME``).
+Command lines, as run:
+
+    smg launch --host 127.0.0.1 --port P --worker-urls URL... --policy POLICY
+        [--dp-aware] --prometheus-host 127.0.0.1 --prometheus-port M
+    vllm-router --host 127.0.0.1 --port P --worker-urls URL... --policy POLICY
+        [--intra-node-data-parallel-size N] --worker-startup-check-interval 1
+        --prometheus-host 127.0.0.1 --prometheus-port M
+
+Known limits: the gateway's ``--dp-aware`` needs ``/server_info`` (SGLang only),
+it pins ranks with the body field ``data_parallel_rank``, and its ``/health``
+answers before workers are registered; vllm-router pins with the header
+``X-data-parallel-rank`` and binds its port only once every worker is healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from dprouter.bench.procs import Proc, free_port
+
+PINS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+KINDS = ("sglang-gateway", "vllm-router")
+
+
+def home() -> Path:
+    env = os.environ.get("DPROUTER_BENCH_HOME")
+    return (Path(env) if env else Path.home() / ".cache" / "dprouter-bench") / "peers"
+
+
+def binary(kind: str) -> Path:
+    return home() / "bin" / ("smg" if kind == "sglang-gateway" else "vllm-router")
+
+
+def ensure() -> str | None:
+    """Install the peers if missing; None when they are there, else why not."""
+    if all(binary(k).exists() for k in KINDS):
+        return None
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(home())], check=True, timeout=120)
+        subprocess.run(
+            [str(home() / "bin" / "pip"), "install", "--quiet", *PINS],
+            check=True,
+            timeout=900,
+            stdin=subprocess.DEVNULL,
+        )
+    except (subprocess.SubprocessError, OSError) as exc:
+        return f"peers could not be installed: {exc}"
+    return None
+
+
+def available() -> list[str]:
+    return [] if ensure() is not None else list(KINDS)
+
+
+def router(
+    kind: str,
+    workers: list[str],
+    port: int,
+    cpus: str | None = None,
+    policy: str = "round_robin",
+    dp_size: int = 1,
+    dp_aware: bool = False,
+) -> Proc:
+    metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *workers,
+        "--policy",
+        policy,
+        *metrics,
+    ]
+    if kind == "sglang-gateway":
+        return Proc(
+            [str(binary(kind)), "launch", *common, *(["--dp-aware"] if dp_aware else [])], cpus=cpus
+        )
+    extra = ["--intra-node-data-parallel-size", str(dp_size)] if dp_size > 1 else []
+    return Proc(
+        [str(binary(kind)), *common, *extra, "--worker-startup-check-interval", "1"], cpus=cpus
+    )
+
+
+async def until_serving(url: str, seconds: float = 60, model: str = "bench") -> None:
+    """Wait until a real completion succeeds (a router's /health may say yes too early)."""
+    body = {"model": model, "prompt": "ready?", "max_tokens": 1}
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with asyncio.timeout(seconds):
+            while True:
+                try:
+                    async with session.post(url + "/v1/completions", json=body) as r:
+                        if r.status == 200:
+                            return
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                await asyncio.sleep(0.2)

@@ -1,0 +1,134 @@
+"""Processes the HTTP scenarios start: pinned to a core, read back when ready, stopped
+by their PID, and measured from /proc (CPU seconds and peak memory of the whole tree)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+CLK = os.sysconf("SC_CLK_TCK")
+DPROUTER = [sys.executable, "-m", "dprouter"]
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of the tree, reaped children included."""
+    total = 0
+    for p in tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / CLK
+
+
+def peak_rss_mb(pid: int) -> float:
+    total = 0
+    for p in tree(pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        found = re.search(r"VmHWM:\s+(\d+) kB", status)
+        total += int(found[1]) if found else 0
+    return total / 1024
+
+
+class Proc:
+    """A child process in its own process group, optionally pinned to ``cpus``."""
+
+    def __init__(
+        self, argv: Sequence[str], cpus: str | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        self.argv = [*(["taskset", "-c", cpus] if cpus else []), *argv]
+        self.env = env
+        self.proc: asyncio.subprocess.Process | None = None
+        self.lines: list[str] = []
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    async def start(self, ready: str | None = None, seconds: float = 60) -> str:
+        """Start and read output until a line matches ``ready`` (a regex); returns that line.
+        With no ``ready``, return at once (the caller polls the service itself)."""
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(self.env or {})},
+        )
+        assert self.proc.stdout is not None
+        line = ""
+        if ready is not None:
+            async with asyncio.timeout(seconds):
+                while True:
+                    line = (await self.proc.stdout.readline()).decode(errors="replace")
+                    if not line:
+                        raise RuntimeError(f"{self.argv} exited:\n{''.join(self.lines[-20:])}")
+                    self.lines.append(line)
+                    if re.search(ready, line):
+                        break
+        asyncio.get_running_loop().create_task(self._drain())
+        return line
+
+    async def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            self.lines.append(line.decode(errors="replace"))
+            del self.lines[:-200]
+
+    async def stop(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                await asyncio.wait_for(self.proc.wait(), wait)
+                return
+            except TimeoutError:
+                continue
+
+
+def free_port() -> int:
+    """A free loopback port in 20000-29999 (clear of the ephemeral range)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999")
