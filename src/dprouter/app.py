@@ -145,7 +145,12 @@ async def _last_resort(request: web.Request, handler: Handler) -> web.StreamResp
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     parts = app[PARTS]
     config = parts.config
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.upstream_keepalive)
+    # a burst queues for an upstream connection rather than exhausting file descriptors
+    connector = aiohttp.TCPConnector(
+        limit=config.upstream_connections,
+        limit_per_host=config.upstream_per_worker,
+        keepalive_timeout=config.upstream_keepalive,
+    )
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=config.connect_timeout, sock_read=config.read_timeout or None
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from dprouter.bench.command import bench
 from dprouter.demo import demo
 from dprouter.serve import serve
 from dprouter.sim.command import sim
@@ -15,6 +16,7 @@ def main() -> None:
     """dprouter: route LLM requests to (worker, dp_rank) targets."""
 
 
+main.add_command(bench)
 main.add_command(demo)
 main.add_command(serve)
 main.add_command(sim)

@@ -58,6 +58,8 @@ class RouterConfig:
     backlog: int = 4096
     attempts: int = 3  # tries per request before the first byte, each on another target
     upstream_keepalive: float = 3.0  # below the engines' own (uvicorn: 5 s)
+    upstream_connections: int = 4096  # open to all workers at once, at most
+    upstream_per_worker: int = 1024  # open to one worker at once, at most
     connect_timeout: float = 5.0
     read_timeout: float = 600.0  # no byte from the engine for this long: the attempt failed
     load_interval: float = 1.0  # seconds between scrapes of engine-reported load; 0: off

@@ -74,7 +74,7 @@ def run(quick: bool, out: Path) -> Result:
                 f"{min(spread.values())}-{max(spread.values())}",
             ]
         )
-        data[name] = {"old": Counter(map(str, old)), "dprouter": Counter(map(str, new))}
+        data[name] = {"old": dict(Counter(map(str, old))), "dprouter": dict(Counter(map(str, new)))}
         checks[f"{name}: dprouter covers every slot evenly"] = (
             new_used == 1.0 and min(spread.values()) == max(spread.values()) == WINDOWS
         )
