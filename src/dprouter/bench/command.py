@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from dprouter.bench import aliasing, burst, dp_attention, overhead, prefix, scale
+from dprouter.bench import aliasing, burst, dp_attention, overhead, peers_quality, prefix, scale
 from dprouter.bench.results import Result, write_report
 
 Scenario = Callable[[bool, Path], Result]
@@ -18,6 +18,7 @@ SCENARIOS: dict[str, Scenario] = {
     "aliasing": aliasing.run,
     "dp-attention": dp_attention.run,
     "prefix": prefix.run,
+    "peers": peers_quality.run,
     "overhead": overhead.run,
     "burst": burst.run,
     "scale": scale.run,

@@ -1,0 +1,278 @@
+"""Scenario 4, peers: the same simulated cluster behind dprouter, the SGLang gateway and
+vllm-router; routing quality of scenarios 2 and 3, side by side, over real HTTP.
+
+The simulated engines run in this process (their step times and caches are
+read directly), compressed in time; each router runs in its own process.
+Closed-loop sessions send token-id prompts with every session header the
+routers know (``X-SMG-Routing-Key``, ``X-Session-ID``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from dprouter.bench import dp_attention, peers
+from dprouter.bench.plots import bars
+from dprouter.bench.procs import DPROUTER, Proc, free_port
+from dprouter.bench.results import Cell, Result, Table
+from dprouter.sim.cluster import SimCluster
+from dprouter.sim.config import EngineConfig, RankLimits
+
+SCALE = 0.25  # wall seconds per simulated second
+DEADLINE = 60.0  # a turn slower than this (simulated seconds) counts as late
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    kind: str  # dprouter, sglang-gateway, vllm-router
+    args: tuple[str, ...]
+
+
+ROLLOUT_RUNS = (
+    Run("dprouter, not DP-aware (manual)", "dprouter", ("--dp-aware", "off", "--sessions")),
+    Run("dprouter, manual + min_load", "dprouter", ("--sessions",)),
+    Run("dprouter, min_tokens", "dprouter", ("--policy", "min_tokens")),
+    Run("dprouter, least_load", "dprouter", ("--policy", "least_load")),
+    Run("SGLang gateway --dp-aware, manual", "sglang-gateway", ("manual", "dp-aware")),
+    Run("SGLang gateway, manual (not DP-aware)", "sglang-gateway", ("manual",)),
+    Run("vllm-router DP4, consistent_hash", "vllm-router", ("consistent_hash",)),
+)
+PREFIX_RUNS = (
+    Run("dprouter, round_robin", "dprouter", ("--policy", "round_robin")),
+    Run("dprouter, cache_aware", "dprouter", ("--policy", "cache_aware")),
+    Run("dprouter, consistent_hash", "dprouter", ("--policy", "consistent_hash")),
+    Run("SGLang gateway --dp-aware, cache_aware", "sglang-gateway", ("cache_aware", "dp-aware")),
+    Run("vllm-router DP4, cache_aware", "vllm-router", ("cache_aware",)),
+)
+
+
+async def start(run: Run, urls: Sequence[str], dp: int) -> tuple[Proc, str]:
+    port = free_port()
+    if run.kind == "dprouter":
+        proc = Proc(
+            [
+                *DPROUTER,
+                "serve",
+                *(a for u in urls for a in ("--worker", u)),
+                "--port",
+                str(port),
+                "--load-interval",
+                "0.5",
+                *run.args,
+            ]
+        )
+        await proc.start(r"dprouter on http://")
+    else:
+        proc = peers.router(
+            run.kind,
+            list(urls),
+            port,
+            policy=run.args[0],
+            dp_size=dp,
+            dp_aware="dp-aware" in run.args,
+        )
+        await proc.start()
+    url = f"http://127.0.0.1:{port}"
+    await peers.until_serving(url, 90, model="sim-model")
+    return proc, url
+
+
+async def sessions(
+    url: str, count: int, turns: int, system: int, decode: tuple[int, int], shared: int, seed: int
+) -> list[float]:
+    """Closed-loop sessions; returns each turn's latency in simulated seconds. Prompts are
+    text of one-token words (token-id prompts are not accepted by every router)."""
+    rng = random.Random(seed)
+
+    def words(n: int) -> list[str]:
+        return [f"w{rng.getrandbits(20)}" for _ in range(n)]
+
+    systems = [words(system) for _ in range(max(shared, 1))]
+    latencies: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def one(session: aiohttp.ClientSession, i: int) -> None:
+        context = systems[i % len(systems)] + words(100)
+        headers = {"X-SMG-Routing-Key": f"s{i}", "X-Session-ID": f"s{i}"}
+        await asyncio.sleep(rng.uniform(0, 2.0) * SCALE)
+        for _ in range(turns):
+            n = max(16, min(decode[1], int(rng.lognormvariate(0, 1.0) * decode[0])))
+            body = {"model": "sim-model", "prompt": " ".join(context), "max_tokens": n}
+            t0 = loop.time()
+            async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status} through {url}")
+            latencies.append((loop.time() - t0) / SCALE)
+            context = context + words(n + rng.randint(50, 200))
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(one(session, i) for i in range(count)))
+    return latencies
+
+
+async def measure(
+    runs: Sequence[Run], engine: EngineConfig, engines: int, workload: dict[str, Any]
+) -> dict[str, dict[str, float]]:
+    found: dict[str, dict[str, float]] = {}
+    usable = set(peers.available()) | {"dprouter"}
+    for run in runs:
+        if run.kind not in usable:
+            continue
+        async with SimCluster([replace(engine, time_scale=SCALE)] * engines) as cluster:
+            proc, url = await start(run, cluster.urls, engine.dp_size)
+            try:
+                latencies = await sessions(url, **workload, seed=1)
+            except RuntimeError as exc:
+                found[run.name] = {"failed": 1.0}
+                print(f"{run.name}: {exc}")
+                continue
+            finally:
+                await proc.stop()
+            ranks = [r for s in cluster.servers for r in s.engine.ranks]
+            steppers = [st for s in cluster.servers for st in s.engine.steppers]
+            queries = sum(r.stats.prefix_queries for r in ranks)
+            busy = [r.stats.busy_time for r in ranks]
+            found[run.name] = {
+                "step_ms": sum(st.busy_time for st in steppers)
+                / max(sum(st.steps for st in steppers), 1)
+                * 1e3,
+                "rank_max_over_mean": max(busy) / statistics.mean(busy),
+                "hit_rate": sum(r.stats.prefix_hits for r in ranks) / max(queries, 1),
+                "latency_p50": statistics.median(latencies),
+                "latency_p99": sorted(latencies)[int(0.99 * (len(latencies) - 1))],
+                "late": float(sum(1 for x in latencies if x > DEADLINE)),
+                "turns": float(len(latencies)),
+            }
+    return found
+
+
+def run(quick: bool, out: Path) -> Result:
+    dp_engine = replace(dp_attention.DP_ENGINE, limits=RankLimits(max_running=4))
+    rollouts = asyncio.run(
+        measure(
+            ROLLOUT_RUNS,
+            dp_engine,
+            4 if quick else 8,
+            {
+                "count": 24 if quick else 112,
+                "turns": 2 if quick else 3,
+                "system": 1500,
+                "decode": (300, 2000) if quick else (600, 4000),
+                "shared": 1,
+            },
+        )
+    )
+    chat_engine = EngineConfig(persona="sglang", dp_size=4, limits=RankLimits(max_running=32))
+    chats = asyncio.run(
+        measure(
+            PREFIX_RUNS,
+            chat_engine,
+            2 if quick else 4,
+            {
+                "count": 48 if quick else 120,
+                "turns": 3,
+                "system": 1500,
+                "decode": (120, 400),
+                "shared": 8,
+            },
+        )
+    )
+    rows: list[list[Cell]] = []
+    for name, m in rollouts.items():
+        rows.append(
+            [
+                name,
+                *(
+                    _row(m, ("step_ms", "rank_max_over_mean", "latency_p50", "latency_p99"))
+                    if "failed" not in m
+                    else ["failed"] * 4
+                ),
+                f"{int(m.get('late', 0))}/{int(m.get('turns', 0))}",
+            ]
+        )
+    prefix_rows: list[list[Cell]] = [
+        [
+            name,
+            *(
+                _row(m, ("hit_rate", "latency_p50", "latency_p99"))
+                if "failed" not in m
+                else ["failed"] * 3
+            ),
+        ]
+        for name, m in chats.items()
+    ]
+    failed = [n for n, m in {**rollouts, **chats}.items() if "failed" in m]
+    missing = [r.name for r in (*ROLLOUT_RUNS, *PREFIX_RUNS) if r.name not in {*rollouts, *chats}]
+    names = list(rollouts)
+    bars(
+        out / "peers.png",
+        [n.replace(", ", "\n", 1) for n in names],
+        {"mean step, ms": [rollouts[n].get("step_ms", 0.0) for n in names]},
+        "DP attention rollouts: mean forward step behind each router",
+        "ms",
+    )
+    return Result(
+        scenario="peers",
+        title="4. Peers: the same simulated cluster behind each router",
+        method=(
+            f"Simulated engines in the bench process at {SCALE} wall s per simulated s, each "
+            "router in its own process. Rollouts: SGLang engines x DP4 with DP attention "
+            "(the dp-attention costs), closed-loop sessions with long log-normal decodes; "
+            "chat: SGLang engines x DP4, 8 shared system prompts, 3 turns. Step: mean "
+            "forward step of the engines; busiest/mean: ranks' busy time; latency per turn "
+            "in simulated seconds. Peers: "
+            + peers.__doc__.split("Command lines, as run:")[1]
+            .split("Known limits")[0]
+            .strip()
+            .replace("\n", " ")
+        ),
+        tables=[
+            Table(
+                [
+                    "router",
+                    "mean step ms",
+                    "busiest / mean rank",
+                    "turn p50 s",
+                    "turn p99 s",
+                    "turns > 60 s",
+                ],
+                rows,
+                "rollouts (scenario 2 over HTTP)",
+            ),
+            Table(
+                ["router", "hit rate", "turn p50 s", "turn p99 s"],
+                prefix_rows,
+                "multi-turn chat (scenario 3 over HTTP)",
+            ),
+        ],
+        verdict=verdict(missing, failed),
+        plots=["peers.png"],
+        data={"rollouts": rollouts, "chat": chats},
+    )
+
+
+def _row(m: dict[str, float], keys: Sequence[str]) -> list[Cell]:
+    return [m[k] for k in keys]
+
+
+def verdict(missing: list[str], failed: list[str]) -> str:
+    notes = []
+    if missing:
+        notes.append(f"not run: {', '.join(missing)} (peers not installable here)")
+    if failed:
+        notes.append(f"failed: {', '.join(failed)}")
+    return (
+        "Side by side on one simulated cluster; "
+        + ("; ".join(notes) or "every router completed both workloads")
+        + "."
+    )
