@@ -10,7 +10,16 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from dprouter.bench import aliasing, burst, dp_attention, overhead, peers_quality, prefix, scale
+from dprouter.bench import (
+    aliasing,
+    burst,
+    crosscheck,
+    dp_attention,
+    overhead,
+    peers_quality,
+    prefix,
+    scale,
+)
 from dprouter.bench.results import Result, write_report
 
 Scenario = Callable[[bool, Path], Result]
@@ -22,6 +31,7 @@ SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead.run,
     "burst": burst.run,
     "scale": scale.run,
+    "crosscheck": crosscheck.run,
 }
 
 

@@ -20,7 +20,7 @@ class Table:
 
     def text(self) -> str:
         cells = [[_fmt(c) for c in row] for row in self.rows]
-        widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(self.columns)]
+        widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(self.columns)]
         out = [self.title] if self.title else []
         out.append("  ".join(h.ljust(w) for h, w in zip(self.columns, widths, strict=True)))
         out.append("  ".join("-" * w for w in widths))
