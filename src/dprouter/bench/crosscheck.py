@@ -69,6 +69,7 @@ def prepare() -> str | None:
             check=True,
             timeout=900,
             stdin=subprocess.DEVNULL,
+            capture_output=True,
         )
         subprocess.run(
             [str(venv / "bin" / "python"), str(HERE / "ipf" / "make_tokenizer.py"), str(tokenizer)],
@@ -120,6 +121,7 @@ def config(url: str, out: Path) -> str:
 
 
 async def theirs(url: str, out: Path) -> dict[str, float]:
+    out = out.resolve()  # inference-perf runs in ``out``: a relative path would not be found
     shutil.rmtree(out / "inference-perf", ignore_errors=True)  # no stale report read back
     path = out / "inference-perf.yml"
     path.write_text(config(url, out / "inference-perf"))
@@ -130,17 +132,26 @@ async def theirs(url: str, out: Path) -> dict[str, float]:
         "HF_DATASETS_OFFLINE": "1",
         "DO_NOT_TRACK": "1",
     }
-    proc = await asyncio.create_subprocess_exec(
-        str(home() / "venv" / "bin" / "inference-perf"),
-        "--config_file",
-        str(path),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        cwd=str(out),
-    )
-    await asyncio.wait_for(proc.wait(), SECONDS * 6)
-    data = json.loads((out / "inference-perf" / "summary_lifecycle_metrics.json").read_text())
+    log = out / "inference-perf.log"
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            str(home() / "venv" / "bin" / "inference-perf"),
+            "--config_file",
+            str(path),
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(out),
+        )
+        await asyncio.wait_for(proc.wait(), SECONDS * 6)
+    summary = out / "inference-perf" / "summary_lifecycle_metrics.json"
+    if not summary.exists():  # every request failed, or it did not start: say why
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        raise RuntimeError(
+            f"inference-perf wrote no summary (exit {proc.returncode}):\n" + "\n".join(tail)
+        )
+    data = json.loads(summary.read_text())
     ok, ttft = data["successes"], data["successes"]["latency"]["time_to_first_token"]
     return {
         "ttft_p50": ttft["median"],

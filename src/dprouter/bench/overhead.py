@@ -3,8 +3,9 @@
 Each router runs alone in its own process pinned to core 0; the backend and
 this load generator share core 1. Closed-loop load at 64 and 512
 connections (plain requests) and 64 connections (16-chunk streams), one
-measurement after another, side by side in one run. Router CPU is read from
-/proc (the whole process tree), peak memory is VmHWM.
+measurement after another, side by side in one run. A bare aiohttp proxy
+(``bench/bare.py``) runs too: the floor of the stack dprouter is built on.
+Router CPU is read from /proc (the whole process tree), peak memory is VmHWM.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ LOADS = (
     ("stream, 64 connections", 64, True),
 )
 ROUTER_CORE, CLIENT_CORE = "0", {1}
+BARE = "bare aiohttp proxy"  # dprouter's HTTP stack with none of its logic: the floor
 
 
 @contextlib.contextmanager
@@ -61,6 +63,10 @@ async def start_router(kind: str, backend: str) -> tuple[Proc | None, str]:
             cpus=ROUTER_CORE,
         )
         await proc.start(r"dprouter on http://")
+    elif kind == BARE:
+        command = [sys.executable, "-m", "dprouter.bench.bare", "--port", str(port)]
+        proc = Proc([*command, "--upstream", backend], cpus=ROUTER_CORE)
+        await proc.start("ready")
     else:
         proc = peers.router(kind, [backend], port, cpus=ROUTER_CORE)
         await proc.start()  # polled below with real requests
@@ -111,7 +117,7 @@ def summary(o: Outcome, cpu: float) -> dict[str, float]:
 
 
 def run(quick: bool, out: Path) -> Result:
-    kinds = ["direct", "dprouter", *peers.available()]
+    kinds = ["direct", "dprouter", BARE, *peers.available()]
     found = asyncio.run(measure(kinds, 2.5 if quick else 10.0))
     rows: list[list[Cell]] = []
     for kind, loads in found.items():
@@ -155,6 +161,7 @@ def run(quick: bool, out: Path) -> Result:
             ours[wide]["p99_ms"] <= gateway[wide]["p99_ms"]
         )
     plain_cpu = ours[LOADS[0][0]]["cpu_ms_per_req"]
+    bare_cpu = found[BARE][LOADS[0][0]]["cpu_ms_per_req"]
     return Result(
         scenario="overhead",
         title="5. Overhead: a trivial backend, direct and through each router",
@@ -189,7 +196,8 @@ def run(quick: bool, out: Path) -> Result:
                 else f", {plain_cpu / gateway[LOADS[0][0]]['cpu_ms_per_req']:.1f}x the SGLang "
                 "gateway's"
             )
-            + "."
+            + f"; a bare aiohttp proxy spends {bare_cpu:.2f} ms, so dprouter's own logic "
+            f"costs {plain_cpu - bare_cpu:.2f} ms and the rest is the aiohttp stack."
         ),
         checks=checks,
         plots=["overhead.png"],

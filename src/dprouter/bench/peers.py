@@ -53,6 +53,7 @@ def ensure() -> str | None:
             check=True,
             timeout=900,
             stdin=subprocess.DEVNULL,
+            capture_output=True,
         )
     except (subprocess.SubprocessError, OSError) as exc:
         return f"peers could not be installed: {exc}"

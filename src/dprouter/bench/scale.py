@@ -103,7 +103,7 @@ def run(quick: bool, out: Path) -> Result:
     found: dict[str, dict[str, float]] = {}
     for ranks in (1024,) if quick else (1024, 4096):
         for p in QUALITY:
-            found[f"{p}@{ranks}"] = quality(p, ranks, 5_000 if quick else 40_000)
+            found[f"{p}@{ranks}"] = quality(p, ranks, 5_000 if quick else 20_000)
     quality_rows: list[list[Cell]] = [
         [name, m["imbalance"], m["ttft_p99"] * 1e3] for name, m in found.items()
     ]
@@ -116,7 +116,7 @@ def run(quick: bool, out: Path) -> Result:
             f"Decision cost: CPU time of {decisions} policy decisions among N targets with "
             "random loads (one core, the policies as the router runs them). Quality: "
             "offline simulator, engines x DP16, Poisson chat-like load at ~60% of capacity, "
-            f"{'5,000' if quick else '40,000'} requests; imbalance = busiest rank's "
+            f"{'5,000' if quick else '20,000'} requests; imbalance = busiest rank's "
             "requests / mean."
         ),
         tables=[
