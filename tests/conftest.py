@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, Protocol
@@ -67,7 +67,8 @@ async def start_router() -> AsyncIterator[StartRouter]:
     started: list[Router] = []
 
     async def start(config: RouterConfig, settle: bool = True) -> Router:
-        router = Router(replace(config, port=0))
+        # a short grace: a test that leaves a request hanging should not wait 30 s at the end
+        router = Router(replace(config, port=0, grace=min(config.grace, 2.0)))
         await router.start()
         started.append(router)
         if settle:
@@ -94,3 +95,12 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield url_of("127.0.0.1", sock.getsockname()[1])
     finally:
         await runner.cleanup()
+
+
+async def until(check: Callable[[], bool], seconds: float = 5.0) -> bool:
+    """Poll ``check`` until it holds, for at most ``seconds``."""
+    for _ in range(int(seconds / 0.02)):
+        if check():
+            return True
+        await asyncio.sleep(0.02)
+    return check()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -19,7 +18,7 @@ from dprouter.app import Router
 from dprouter.config import RouterConfig, WorkerSpec
 from dprouter.sim.config import EngineConfig, Faults, PdConfig, PdMode
 from dprouter.sim.server import SimServer
-from tests.conftest import StartCluster, StartRouter, serving
+from tests.conftest import StartCluster, StartRouter, serving, until
 from tests.test_router_proxy import PIECES
 
 Shape = tuple[int, int]  # (instances, dp_size)
@@ -237,15 +236,6 @@ async def test_streamed_decode_passes_through_byte_exact(
             kv = body["kv_transfer_params"]
             assert kv["remote_engine_id"].startswith(prefill.engine_id + "-dp")  # unchanged
             assert kv["remote_port"] == prefill.port
-
-
-async def until(check: Callable[[], bool], seconds: float = 5.0) -> bool:
-    """Poll ``check`` until it holds, for at most ``seconds``."""
-    for _ in range(int(seconds / 0.02)):
-        if check():
-            return True
-        await asyncio.sleep(0.02)
-    return check()
 
 
 async def test_registered_instances_expire_and_return(

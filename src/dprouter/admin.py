@@ -45,6 +45,7 @@ def describe(worker: Worker) -> dict[str, Any]:
                 "dp_rank": t.rank,
                 "outstanding": t.outstanding,
                 "engine_load": t.reported,
+                "breaker": "open" if t.tripped else "closed",
             }
             for t in worker.targets
         ],

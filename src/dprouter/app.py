@@ -17,10 +17,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dprouter.admin import admin_routes, worker_from_spec
+from dprouter.admission import Admission, AdmissionOptions
+from dprouter.breaker import BreakerOptions, Breakers
 from dprouter.config import RouterConfig, validate
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
+from dprouter.parse import Kind
 from dprouter.pd.proxy import PairProxy
 from dprouter.pd.registration import Registration
 from dprouter.policies import Policy, make_policy
@@ -39,6 +42,8 @@ class Parts:
     policy: Policy
     monitor: Monitor
     metrics: RouterMetrics
+    admission: Admission
+    breakers: Breakers
     proxy: Proxy | PairProxy | None = None  # made at start-up, with the upstream session
     registration: Registration | None = None  # MoRIIO instances register here
 
@@ -63,24 +68,47 @@ def build_app(
         config=config,
         registry=registry,
         policy=policy or make_policy(config.policy_name, config.policy_options()),
-        monitor=monitor or Monitor(registry, MonitorOptions(scrape_interval=config.load_interval)),
+        monitor=monitor
+        or Monitor(
+            registry,
+            MonitorOptions(
+                scrape_interval=config.load_interval,
+                health_interval=config.health_interval,
+                health_failures=config.health_failures,
+            ),
+        ),
         metrics=RouterMetrics(registry),
+        breakers=Breakers(
+            registry, BreakerOptions(config.breaker_failures, config.breaker_cooldown)
+        ),
+        admission=Admission(
+            AdmissionOptions(config.max_concurrent, config.queue_size, config.queue_timeout)
+        ),
     )
     app = web.Application(client_max_size=config.max_body, middlewares=[_last_resort])
     app[PARTS] = parts
     app.cleanup_ctx.append(_lifecycle)
 
-    async def completions(request: web.Request) -> web.StreamResponse:
+    async def routed(request: web.Request, kind: Kind) -> web.StreamResponse:
         assert parts.proxy is not None
-        return await parts.proxy.handle(request, "completion")
+        refused = await parts.admission.enter()
+        if refused is not None:
+            parts.metrics.rejected.labels("overloaded").inc()
+            message = f"the router is at capacity ({refused}); retry later"
+            return error(429, message, "rate_limit_exceeded", headers={"Retry-After": "1"})
+        try:  # a stream holds its slot until its last byte
+            return await parts.proxy.handle(request, kind)
+        finally:
+            parts.admission.leave()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await routed(request, "completion")
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        assert parts.proxy is not None
-        return await parts.proxy.handle(request, "chat")
+        return await routed(request, "chat")
 
     async def generate(request: web.Request) -> web.StreamResponse:
-        assert parts.proxy is not None
-        return await parts.proxy.handle(request, "generate")
+        return await routed(request, "generate")
 
     async def models(_: web.Request) -> web.Response:
         cards = [
@@ -178,6 +206,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.metrics,
             session,
             unreachable=parts.monitor.suspect,
+            breakers=parts.breakers,
         )
     await parts.monitor.start()
     try:
@@ -186,6 +215,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if parts.registration is not None:
             await parts.registration.stop()
         await parts.monitor.stop()
+        parts.breakers.stop()
         await session.close()
 
 
@@ -224,9 +254,10 @@ class Router:
                 log.warning(warning)
         sock = bind(self.config.host, self.port, self.config.backlog)
         self.port = sock.getsockname()[1]
-        # a client that leaves cancels its handler, which closes the upstream request
+        # a client that leaves cancels its handler, which closes the upstream request;
+        # stopping closes the listener first, then gives in-flight requests the grace period
         self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=self.config.grace
         )
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()

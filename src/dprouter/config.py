@@ -62,6 +62,14 @@ class RouterConfig:
     upstream_per_worker: int = 1024  # open to one worker at once, at most
     connect_timeout: float = 5.0
     read_timeout: float = 600.0  # no byte from the engine for this long: the attempt failed
+    max_concurrent: int = 0  # requests in flight at once; 0: no cap
+    queue_size: int = 1024  # beyond the cap, requests waiting for a slot at most
+    queue_timeout: float = 30.0  # seconds one waits for a slot before a 429
+    breaker_failures: int = 5  # consecutive failures that take a target out; 0: never
+    breaker_cooldown: float = 10.0  # seconds out before a half-open trial
+    health_interval: float = 5.0  # seconds between health checks of each worker; 0: off
+    health_failures: int = 3  # consecutive failed checks that take a worker out
+    grace: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     load_interval: float = 1.0  # seconds between scrapes of engine-reported load; 0: off
     startup_timeout: float = 10.0  # serve waits this long for discovery before listening
     admin_token: str | None = None  # None: the admin API is off
@@ -143,6 +151,19 @@ def validate(config: RouterConfig) -> RouterConfig:
         )
     if config.attempts < 1:
         raise ConfigError("--attempts must be at least 1")
+    for name in (
+        "max_concurrent",
+        "queue_size",
+        "queue_timeout",
+        "grace",
+        "breaker_failures",
+        "breaker_cooldown",
+        "health_interval",
+    ):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
+    if config.health_failures < 1:
+        raise ConfigError("health_failures must be at least 1")
     for name in ("prefill_policy", "decode_policy"):
         chosen = getattr(config, name)
         if chosen is not None and chosen not in POLICIES:

@@ -26,6 +26,8 @@ class MonitorOptions:
     retry_min: float = 0.2  # discovery backoff starts here...
     retry_max: float = 5.0  # ...and doubles up to here
     scrape_interval: float = 1.0  # engine-reported load; 0 turns scraping off
+    health_interval: float = 5.0  # GET /health of each ready worker; 0 turns checks off
+    health_failures: int = 3  # consecutive failed checks before the worker is taken out
 
 
 class Monitor:
@@ -35,6 +37,8 @@ class Monitor:
         self._session: aiohttp.ClientSession | None = None
         self._discovering: dict[str, asyncio.Task[None]] = {}
         self._scraper: asyncio.Task[None] | None = None
+        self._checker: asyncio.Task[None] | None = None
+        self._unhealthy: dict[str, int] = {}  # worker id -> consecutive failed checks
         self.changed = asyncio.Event()  # set whenever a worker settles
 
     @property
@@ -49,9 +53,12 @@ class Monitor:
             self.watch(worker)
         if self.options.scrape_interval > 0:
             self._scraper = asyncio.create_task(self._scrape_loop(), name="scrape")
+        if self.options.health_interval > 0:
+            self._checker = asyncio.create_task(self._health_loop(), name="health")
 
     async def stop(self) -> None:
-        tasks = [*self._discovering.values(), *([self._scraper] if self._scraper else [])]
+        loops = [t for t in (self._scraper, self._checker) if t is not None]
+        tasks = [*self._discovering.values(), *loops]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -93,6 +100,8 @@ class Monitor:
         delay = self.options.retry_min
         while True:
             try:
+                if self.options.health_interval > 0 and not await self._healthy(worker):
+                    raise discovery.DiscoveryError("/health does not answer 200 yet")
                 found = await discovery.probe(self.session, worker)
             except discovery.Contradiction as exc:
                 log.error("worker %s refused: %s", worker.id, exc)
@@ -143,3 +152,26 @@ class Monitor:
             log.debug("load of %s unavailable: %s", worker.id, exc)
             per_rank = {}  # unknown now: fall back on the router's own counts
         load.assign(worker, per_rank)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.health_interval)
+            ready = [w for w in self.registry.workers.values() if w.ready]
+            verdicts = await asyncio.gather(*(self._healthy(w) for w in ready))
+            for worker, healthy in zip(ready, verdicts, strict=True):
+                if healthy:
+                    self._unhealthy.pop(worker.id, None)
+                    continue
+                failed = self._unhealthy[worker.id] = self._unhealthy.get(worker.id, 0) + 1
+                if failed >= self.options.health_failures and worker.ready:
+                    log.warning("worker %s failed %d health checks: out", worker.id, failed)
+                    self._unhealthy.pop(worker.id, None)
+                    self.watch(worker)  # back in once /health and discovery answer again
+
+    async def _healthy(self, worker: Worker) -> bool:
+        """``/health`` answers below 500 in time (a 404: the worker has no such check)."""
+        try:
+            async with self.session.get(worker.url + "/health") as r:
+                return r.status < 500
+        except (aiohttp.ClientError, TimeoutError):
+            return False

@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from dprouter import dialects
+from dprouter.breaker import Breakers
 from dprouter.config import RouterConfig
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import BadRequest, Incoming, Kind, parse
@@ -64,6 +65,7 @@ class Proxy:
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
         unreachable: Callable[[Worker], None] = lambda w: None,
+        breakers: Breakers | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -71,6 +73,7 @@ class Proxy:
         self.metrics = metrics
         self.session = session
         self.unreachable = unreachable  # a worker refused a connection: take it out
+        self.breakers = breakers or Breakers(registry)
 
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
@@ -117,18 +120,27 @@ class Proxy:
                     continue
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     series.failed("no_answer")
+                    self.breakers.failed(target)
                     last = f"{target.label}: {type(exc).__name__} {exc}".strip()
                     continue
-                if upstream.status in RETRY_STATUS and not last_chance:
-                    series.failed(f"status_{upstream.status}")
-                    last = f"{target.label}: HTTP {upstream.status}"
+                status = upstream.status
+                if status >= 500:  # 408 and 429 say busy, not broken: no breaker count
+                    self.breakers.failed(target)
+                if status in RETRY_STATUS and not last_chance:
+                    series.failed(f"status_{status}")
+                    last = f"{target.label}: HTTP {status}"
                     upstream.close()
                     continue
                 try:
-                    return await relay(request, upstream, target, series, started)
+                    answer = await relay(request, upstream, target, series, started)
                 except UpstreamBroke as exc:
                     series.failed("broken_body")
+                    self.breakers.failed(target)
                     last = f"{target.label}: answer broke off ({exc})"
+                    continue
+                if status < 500:
+                    self.breakers.succeeded(target)
+                return answer
         self.metrics.rejected.labels("upstream_failed").inc()
         return error(502, f"every attempt failed; last: {last}", "upstream_error")
 

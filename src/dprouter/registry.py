@@ -16,7 +16,7 @@ from dprouter.targets import DialectName, Role, Target, Worker
 
 
 def interleave(workers: Iterable[Worker]) -> tuple[Target, ...]:
-    columns = [w.targets for w in workers]
+    columns = [[t for t in w.targets if not t.tripped] for w in workers]
     depth = max((len(c) for c in columns), default=0)
     return tuple(c[r] for r in range(depth) for c in columns if r < len(c))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,62 @@ def make_config(
 @click.option("--backlog", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--attempts", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option(
+    "--max-concurrent",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Requests in flight at once (0: no cap); beyond it they queue.",
+)
+@click.option(
+    "--queue-size",
+    type=click.IntRange(min=0),
+    default=1024,
+    show_default=True,
+    help="Requests waiting for a slot at most; beyond it: 429 with Retry-After.",
+)
+@click.option(
+    "--queue-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds a queued request waits for a slot before a 429.",
+)
+@click.option(
+    "--breaker-failures",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    help="Consecutive failures that take a target (one rank) out (0: never).",
+)
+@click.option(
+    "--breaker-cooldown",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Seconds a target stays out before a half-open trial.",
+)
+@click.option(
+    "--health-interval",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Seconds between GET /health of each worker (0: off).",
+)
+@click.option(
+    "--health-failures",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Consecutive failed health checks that take a worker out.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, seconds in-flight requests get to finish (a second signal: at once).",
+)
+@click.option(
     "--load-interval",
     type=click.FloatRange(min=0),
     default=1.0,
@@ -187,9 +244,17 @@ def serve(
 
 async def run(config: RouterConfig) -> None:
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("second signal: exiting now, in-flight requests are cut")
+            os._exit(1)
+        log.info("stopping: no new connections, %g s for in-flight requests", config.grace)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     router = Router(config)
     try:
         await router.start()

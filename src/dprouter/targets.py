@@ -74,6 +74,7 @@ class Target:
         "load",
         "outstanding_tokens",
         "rank",
+        "tripped",
         "worker",
     )
 
@@ -87,6 +88,7 @@ class Target:
         # kept up to date on every change so that policies compare it at C speed
         self.load = 0
         self.outstanding_tokens = 0  # prompt + expected output tokens of those in flight
+        self.tripped = False  # its circuit breaker is open: out of the snapshot
 
     @property
     def outstanding(self) -> int:

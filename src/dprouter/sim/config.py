@@ -74,6 +74,7 @@ class Faults:
     delay: float = 0.0  # wall seconds each generation request waits before anything else
     crash_after: int | None = None  # the server dies when request N+1 arrives
     slow_ranks: dict[int, float] = field(default_factory=dict)  # rank -> step cost factor
+    failing_ranks: frozenset[int] = frozenset()  # requests pinned to these get HTTP 500
     health_fail_after: float | None = None  # /health answers 503 after T wall seconds
     seed: int = 0
 

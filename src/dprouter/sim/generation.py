@@ -101,6 +101,8 @@ class Generation:
             or server.rng.random() < faults.fail_rate
         ):
             return self.fail(500, "simulated engine failure", "InternalServerError")
+        if rank is not None and rank in faults.failing_ranks:
+            return self.fail(500, f"simulated failure of rank {rank}", "InternalServerError")
         if faults.hang:
             await asyncio.Event().wait()  # until the client gives up
         room = body.get("bootstrap_room")

@@ -1,0 +1,177 @@
+"""Health: circuit breakers per target (one rank) and periodic health checks per worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from dprouter.config import RouterConfig
+from dprouter.sim.config import EngineConfig, Faults
+from tests.conftest import StartCluster, StartRouter, serving, until, workers
+
+PROMPT = {"prompt": "are you well", "max_tokens": 2}
+
+
+async def errors_of(http: aiohttp.ClientSession, base: str, label: str) -> float:
+    """Failed attempts the router counted on target ``label`` ("w0/2")."""
+    worker, _, rank = label.partition("/")
+    async with http.get(base + "/metrics") as r:
+        text = await r.text()
+    total = 0.0
+    for line in text.splitlines():
+        if (
+            line.startswith("dprouter_upstream_errors_total{")
+            and f'worker="{worker}"' in line
+            and f'dp_rank="{rank}"' in line
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_a_failing_rank_is_taken_out_while_its_siblings_serve(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    faults = Faults(failing_ranks=frozenset({2}))
+    (engine,) = (await start_cluster([EngineConfig(dp_size=4, faults=faults)])).servers
+    router = await start_router(
+        RouterConfig(workers=workers(engine.url), breaker_failures=2, breaker_cooldown=60)
+    )
+    served: Counter[str] = Counter()
+    for _ in range(40):
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200  # the failed attempts were retried on a sibling rank
+            served[r.headers["x-sim-dp-rank"]] += 1
+    assert await errors_of(http, router.url, "w0/2") == 2  # then the breaker opened
+    assert set(served) == {"0", "1", "3"} and sum(served.values()) == 40
+    assert [t.label for t in router.registry.snapshot.pool()] == ["w0/0", "w0/1", "w0/3"]
+
+
+@dataclass
+class Flaky:
+    url: str = ""
+    broken: bool = True
+    healthy: bool = True
+    hits: int = 0
+
+
+@pytest.fixture
+async def flaky() -> AsyncIterator[Flaky]:
+    """A single-rank upstream that answers 503 while ``broken``; /health follows ``healthy``."""
+    state = Flaky()
+
+    async def complete(request: web.Request) -> web.Response:
+        await request.read()
+        state.hits += 1
+        if state.broken:
+            return web.json_response({"error": "down"}, status=503)
+        return web.json_response({"choices": [{"text": "ok"}]}, headers={"X-From": "flaky"})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200 if state.healthy else 503)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", health)
+    async with serving(app) as url:
+        state.url = url
+        yield state
+
+
+@pytest.fixture
+async def steady() -> AsyncIterator[str]:
+    async def complete(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"choices": [{"text": "ok"}]}, headers={"X-From": "steady"})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    async with serving(app) as url:
+        yield url
+
+
+async def test_an_open_breaker_goes_half_open_and_closes_on_success(
+    flaky: Flaky, steady: str, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    specs = workers(flaky.url, steady, dialect="vllm", dp_size=1)
+    config = RouterConfig(workers=specs, breaker_failures=1, breaker_cooldown=0.3)
+    router = await start_router(config)
+
+    def pool() -> list[str]:
+        return [t.label for t in router.registry.snapshot.pool()]
+
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 200 and r.headers["X-From"] == "steady"  # retried
+    assert pool() == ["w1"]
+    assert await until(lambda: pool() == ["w0", "w1"], 3)  # half-open after the cooldown
+    for _ in range(2):  # the trial fails: out again at once
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200
+    assert pool() == ["w1"] and flaky.hits == 2
+    flaky.broken = False
+    assert await until(lambda: pool() == ["w0", "w1"], 3)
+    sources = []
+    for _ in range(4):  # the trial succeeds: closed, round robin over both again
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            sources.append(r.headers["X-From"])
+    assert sorted(sources) == ["flaky", "flaky", "steady", "steady"] and pool() == ["w0", "w1"]
+
+
+async def test_the_last_target_is_never_taken_out(
+    flaky: Flaky, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    config = RouterConfig(workers=workers(flaky.url, dialect="vllm", dp_size=1), breaker_failures=1)
+    router = await start_router(config)
+    for _ in range(3):  # the engine's own answer passes through, every time
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 503
+    assert [t.label for t in router.registry.snapshot.pool()] == ["w0"]
+    flaky.broken = False
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 200
+
+
+async def test_failed_health_checks_take_a_worker_out_until_it_recovers(
+    flaky: Flaky, steady: str, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    flaky.broken = False
+    specs = workers(flaky.url, steady, dialect="vllm", dp_size=1)
+    config = RouterConfig(workers=specs, health_interval=0.05, health_failures=2)
+    router = await start_router(config)
+    workers_ = router.registry.workers
+    flaky.healthy = False
+    assert await until(lambda: not workers_["w0"].ready, 3)
+    for _ in range(4):
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.headers["X-From"] == "steady"
+    await asyncio.sleep(0.3)
+    assert not workers_["w0"].ready  # rediscovery waits for /health too: no flapping
+    flaky.healthy = True
+    assert await until(lambda: workers_["w0"].ready, 5)
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 200
+
+
+async def test_an_engine_whose_health_fails_is_taken_out(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    sick, well = (
+        await start_cluster(
+            [EngineConfig(faults=Faults(health_fail_after=0.0)), EngineConfig(dp_size=2)]
+        )
+    ).servers
+    config = RouterConfig(
+        workers=workers(sick.url, well.url), health_interval=0.05, health_failures=1
+    )
+    router = await start_router(config, settle=False)
+    assert await until(lambda: router.registry.workers["w1"].ready, 5)
+    await asyncio.sleep(0.3)
+    assert not router.registry.workers["w0"].ready  # never admitted: /health says 503
+    for _ in range(4):
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.headers["x-sim-engine"] == well.engine_id
