@@ -101,7 +101,7 @@ class Monitor:
         while True:
             try:
                 if self.options.health_interval > 0 and not await self._healthy(worker):
-                    raise discovery.DiscoveryError("/health does not answer 200 yet")
+                    raise discovery.DiscoveryError("GET /health fails (no answer, or 5xx)")
                 found = await discovery.probe(self.session, worker)
             except discovery.Contradiction as exc:
                 log.error("worker %s refused: %s", worker.id, exc)

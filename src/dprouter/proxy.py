@@ -19,6 +19,7 @@ from aiohttp import web
 
 from dprouter import dialects
 from dprouter.breaker import Breakers
+from dprouter.cancel import Aborter, ensure_rid
 from dprouter.config import RouterConfig
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import BadRequest, Incoming, Kind, parse
@@ -74,6 +75,7 @@ class Proxy:
         self.session = session
         self.unreachable = unreachable  # a worker refused a connection: take it out
         self.breakers = breakers or Breakers(registry)
+        self.aborter = Aborter(session)  # SGLang: a client that leaves aborts its request
 
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
@@ -86,6 +88,7 @@ class Proxy:
             return pool
         tried: list[Target] = []
         last = "no attempt was made"
+        refused = 0  # attempts whose worker refused the connection
         for attempt in range(self.config.attempts):
             candidates = pool if not tried else tuple(t for t in pool if t not in tried)
             if not candidates:
@@ -104,11 +107,12 @@ class Proxy:
             last_chance = attempt + 1 == self.config.attempts or len(candidates) == 1
             sent, body = dict(headers), dict(incoming.body)  # each attempt writes its own rank
             dialect = target.worker.dialect or "vllm"
-            if dialects.write_rank(dialect, target.rank, sent, body) or changed:
+            rid, named = ensure_rid(body) if dialect == "sglang" else (None, False)
+            if dialects.write_rank(dialect, target.rank, sent, body) or changed or named:
                 data = orjson.dumps(body)
             else:
                 data = raw  # untouched: forward the client's bytes as they came
-            with Outstanding(target, incoming.tokens):
+            with Outstanding(target, incoming.tokens), self.aborter.on_cancel(target.worker, rid):
                 try:
                     upstream = await self.session.post(
                         target.worker.url + request.path_qs, data=data, headers=sent
@@ -117,6 +121,7 @@ class Proxy:
                     series.failed("connect")
                     self.unreachable(target.worker)
                     last = f"{target.label}: cannot connect ({exc.os_error})"
+                    refused += 1
                     continue
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     series.failed("no_answer")
@@ -142,6 +147,9 @@ class Proxy:
                     self.breakers.succeeded(target)
                 return answer
         self.metrics.rejected.labels("upstream_failed").inc()
+        if refused == len(tried):  # nothing is up: unavailable, not a bad answer
+            message = f"no worker could be reached ({len(tried)} tried); last: {last}"
+            return error(503, message, "ServiceUnavailableError")
         return error(502, f"every attempt failed; last: {last}", "upstream_error")
 
     def _pool(

@@ -121,7 +121,6 @@ def config(url: str, out: Path) -> str:
 
 
 async def theirs(url: str, out: Path) -> dict[str, float]:
-    out = out.resolve()  # inference-perf runs in ``out``: a relative path would not be found
     shutil.rmtree(out / "inference-perf", ignore_errors=True)  # no stale report read back
     path = out / "inference-perf.yml"
     path.write_text(config(url, out / "inference-perf"))
@@ -243,7 +242,7 @@ def run(quick: bool, out: Path) -> Result:
             [Table(columns, [])],
             f"Not run: {reason}.",
         )
-    work = out / "crosscheck"
+    work = out.resolve() / "crosscheck"  # inference-perf runs there: no relative paths
     work.mkdir(parents=True, exist_ok=True)
     found = asyncio.run(measure(work))
     rows: list[list[Cell]] = [

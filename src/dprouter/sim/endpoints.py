@@ -181,6 +181,16 @@ def sglang_routes(server: SimServer) -> list[web.RouteDef]:
     async def health_generate(_: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def abort_request(request: web.Request) -> web.Response:
+        try:
+            rid = (await request.json()).get("rid")
+        except (ValueError, AttributeError):
+            return web.json_response({"error": "body must be a JSON object"}, status=400)
+        server.abort_requests.append(rid)
+        if isinstance(rid, str):
+            server.runner.abort_rid(rid)
+        return web.Response(status=200)  # as SGLang: known or not
+
     return [
         web.get("/server_info", server_info),
         web.get("/get_server_info", server_info),
@@ -188,4 +198,5 @@ def sglang_routes(server: SimServer) -> list[web.RouteDef]:
         web.get("/get_load", get_load),
         web.post("/generate", generate),
         web.get("/health_generate", health_generate),
+        web.post("/abort_request", abort_request),
     ]

@@ -15,6 +15,7 @@ from dprouter.sim.persona import RankError
 from dprouter.sim.protocol import Kind, Parsed, parse
 from dprouter.sim.request import SimRequest
 from dprouter.sim.responses import DONE, Render, generate_meta, sse, usage
+from dprouter.sim.runner import ABORTED
 from dprouter.sim.tokens import output_token, prompt_digest, tokenize
 
 if TYPE_CHECKING:
@@ -177,6 +178,8 @@ class Generation:
         done = False
         while not done:
             generated, done = await queue.get()
+            if generated == ABORTED:
+                return self.fail(499, "request aborted", "AbortedError")
             if generated < 0:
                 return self.fail(503, "engine shut down", "ServiceUnavailableError")
         digest = prompt_digest(req.prompt_ids)
@@ -223,11 +226,12 @@ class Generation:
             while not done:
                 generated, done = await queue.get()
                 if generated < 0:
+                    aborted = generated == ABORTED
                     error = {
-                        "message": "engine shut down",
-                        "type": "ServiceUnavailableError",
+                        "message": "request aborted" if aborted else "engine shut down",
+                        "type": "AbortedError" if aborted else "ServiceUnavailableError",
                         "param": None,
-                        "code": 503,
+                        "code": 499 if aborted else 503,
                     }
                     await resp.write(sse({"error": error}) + DONE)
                     return resp

@@ -17,6 +17,9 @@ from dprouter.sim.request import SimRequest
 Progress = tuple[int, bool]
 
 
+ABORTED = -2  # progress of a request ended by /abort_request (-1: the engine stopped)
+
+
 class EngineRunner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -25,6 +28,7 @@ class EngineRunner:
         self._t0 = self._loop.time()
         self._wake = {s: asyncio.Event() for s in engine.steppers}
         self._queues: dict[str, asyncio.Queue[Progress]] = {}
+        self._live: dict[str, SimRequest] = {}  # by rid, for SGLang's /abort_request
         self._tasks: list[asyncio.Task[None]] = []
         self._virtual_floor = 0.0  # virtual time never runs backwards past a committed step
 
@@ -49,14 +53,27 @@ class EngineRunner:
         stepper = self.engine.add(req, self.now())
         queue: asyncio.Queue[Progress] = asyncio.Queue()
         self._queues[req.rid] = queue
+        self._live[req.rid] = req
         self._wake[stepper].set()
         return queue
 
     def abort(self, req: SimRequest) -> None:
         self._queues.pop(req.rid, None)
+        self._live.pop(req.rid, None)
         self.engine.abort(req, self.now())
         if req.rank is not None:
             self._wake[self.engine.stepper_of(req.rank)].set()  # freed KV may admit others
+
+    def abort_rid(self, rid: str) -> bool:
+        """Abort a request by id (SGLang's ``/abort_request``); its handler ends it."""
+        req = self._live.get(rid)
+        if req is None:
+            return False
+        queue = self._queues.get(rid)
+        self.abort(req)
+        if queue is not None:
+            queue.put_nowait((ABORTED, True))
+        return True
 
     async def _drive(self, stepper: Stepper) -> None:
         wake = self._wake[stepper]
@@ -81,4 +98,5 @@ class EngineRunner:
                 if queue is not None:
                     queue.put_nowait((req.generated, req.done))
             for req in events.finished:
+                self._live.pop(req.rid, None)
                 self._queues.pop(req.rid, None)

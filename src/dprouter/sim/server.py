@@ -55,6 +55,7 @@ class SimServer:
         self.max_body = max_body
         self.persona = persona_for(config.persona)
         self.received: deque[Received] = deque(maxlen=10_000)
+        self.abort_requests: deque[object] = deque(maxlen=10_000)  # rids sent to /abort_request
         self.started = asyncio.Event()
         self.generation_requests = 0
         self.active = 0  # generation requests being handled right now

@@ -1,0 +1,115 @@
+"""Fault injection through the router: what clients see when engines misbehave.
+
+(Also here, elsewhere: a stream cut mid-way and a hanging engine in
+test_router_proxy, a failing rank and failed health checks in
+test_router_health, SIGTERM under load in test_shutdown.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import aiohttp
+
+from dprouter.config import RouterConfig
+from dprouter.sim.config import EngineConfig, Faults
+from tests.conftest import StartCluster, StartRouter, until, workers
+
+PROMPT = {"prompt": "fault injection", "max_tokens": 4}
+
+
+async def metric_total(http: aiohttp.ClientSession, base: str, name: str) -> float:
+    async with http.get(base + "/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+async def test_ten_percent_upstream_failures_never_reach_the_clients(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    configs = [EngineConfig(dp_size=2, faults=Faults(fail_rate=0.1, seed=i)) for i in range(4)]
+    cluster = await start_cluster(configs)
+    # five tries: a request fails only if five targets fail it in a row (1e-5 each)
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls), attempts=5))
+    statuses: Counter[int] = Counter()
+    gate = asyncio.Semaphore(16)
+
+    async def one() -> None:
+        async with gate, http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            await r.read()
+            statuses[r.status] += 1
+
+    await asyncio.gather(*(one() for _ in range(400)))
+    assert statuses == {200: 400}
+    failed = await metric_total(http, router.url, "dprouter_upstream_errors_total")
+    assert 15 <= failed <= 80  # about 10% of ~440 attempts failed, and were retried
+    assert sum(s.generation_requests for s in cluster.servers) == 400 + failed
+    assert all(t.outstanding == 0 for t in router.registry.targets())
+
+
+async def test_a_slow_rank_gets_less_traffic_from_load_aware_policies(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    config = EngineConfig(dp_size=4, faults=Faults(slow_ranks={1: 8.0}), time_scale=0.5)
+    (engine,) = (await start_cluster([config])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url), policy="least_load"))
+    ranks: Counter[str] = Counter()
+    gate = asyncio.Semaphore(8)
+
+    async def one() -> None:
+        async with gate, http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200
+            ranks[r.headers["x-sim-dp-rank"]] += 1
+
+    await asyncio.gather(*(one() for _ in range(120)))
+    others = [ranks[r] for r in ("0", "2", "3")]
+    assert ranks["1"] < min(others) / 2, ranks  # its requests stay in flight longer
+
+
+async def test_all_engines_down_is_a_clear_503_and_the_router_keeps_serving(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=2), EngineConfig(dp_size=2)])
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    for server in cluster.servers:
+        await server.crash()
+    for _ in range(3):  # first the connections are refused, then no worker is left
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 503
+            message = (await r.json())["error"]["message"]
+            assert "no worker could be reached" in message or "no ready worker" in message
+    async with http.get(router.url + "/health") as r:
+        assert r.status == 200
+    async with http.get(router.url + "/readiness") as r:
+        assert r.status == 503
+    await cluster.servers[1].start()  # back: re-admitted, served again
+    assert await until(lambda: router.registry.workers["w1"].ready, 10)
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 200 and r.headers["x-sim-engine"] == cluster.servers[1].engine_id
+
+
+async def test_a_client_leaving_an_sglang_request_aborts_it_by_rid(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    config = EngineConfig(persona="sglang", dp_size=2, dp_attention=True)
+    (engine,) = (await start_cluster([config])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    body = {"prompt": "a long story", "max_tokens": 5000}  # not streamed: nothing to notice
+    leaving = asyncio.create_task(http.post(router.url + "/v1/completions", json=body))
+    assert await until(lambda: any(r.num_running for r in engine.engine.ranks))
+    leaving.cancel()
+    assert await until(lambda: len(engine.abort_requests) == 1)
+    (received,) = [r for r in engine.received if r.path == "/v1/completions"]
+    assert engine.abort_requests[0] == received.body["rid"]  # the rid the router wrote
+    assert received.body["rid"].startswith("dprouter-")
+    assert await until(lambda: not any(r.num_running for r in engine.engine.ranks))
+    assert all(t.outstanding == 0 for t in router.registry.targets())
+    client_rid = {"prompt": "short", "max_tokens": 2, "rid": "mine-1"}
+    async with http.post(router.url + "/v1/completions", json=client_rid) as r:
+        assert r.status == 200
+    assert engine.received[-1].body["rid"] == "mine-1"  # a client's own rid is kept
