@@ -123,7 +123,7 @@ async def pd(n: int) -> dict[str, float]:
 
 
 async def measure(quick: bool) -> dict[str, dict[str, float]]:
-    sizes = (2048,) if quick else (4096, 10_000)
+    sizes = (1024,) if quick else (4096, 10_000)
     found: dict[str, dict[str, float]] = {}
     for n in sizes:
         for kind in ("dprouter", *peers.available()):

@@ -28,7 +28,7 @@ from dprouter.bench.results import Cell, Result, Table
 from dprouter.sim.report import percentiles
 
 PIN = "inference-perf==0.7.0"
-RATE, SECONDS, OUTPUT = 8.0, 20, 32
+RATE, OUTPUT = 8.0, 32
 GROUPS, SYSTEM, QUESTION = 8, 200, 50  # scenario 3's shape: shared system prompts
 HERE = Path(__file__).resolve().parent
 
@@ -81,7 +81,7 @@ def prepare() -> str | None:
     return None
 
 
-def config(url: str, out: Path) -> str:
+def config(url: str, out: Path, seconds: int) -> str:
     return json.dumps(
         {  # JSON is YAML
             "api": {"type": "completion", "streaming": True},
@@ -105,7 +105,7 @@ def config(url: str, out: Path) -> str:
             },
             "load": {
                 "type": "constant",
-                "stages": [{"rate": RATE, "duration": SECONDS}],
+                "stages": [{"rate": RATE, "duration": seconds}],
                 "num_workers": 1,
                 "worker_max_concurrency": 100,
                 "request_timeout": 30,
@@ -120,10 +120,10 @@ def config(url: str, out: Path) -> str:
     )
 
 
-async def theirs(url: str, out: Path) -> dict[str, float]:
+async def theirs(url: str, out: Path, seconds: int) -> dict[str, float]:
     shutil.rmtree(out / "inference-perf", ignore_errors=True)  # no stale report read back
     path = out / "inference-perf.yml"
-    path.write_text(config(url, out / "inference-perf"))
+    path.write_text(config(url, out / "inference-perf", seconds))
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -143,7 +143,7 @@ async def theirs(url: str, out: Path) -> dict[str, float]:
             env=env,
             cwd=str(out),
         )
-        await asyncio.wait_for(proc.wait(), SECONDS * 6)
+        await asyncio.wait_for(proc.wait(), seconds * 6 + 60)
     summary = out / "inference-perf" / "summary_lifecycle_metrics.json"
     if not summary.exists():  # every request failed, or it did not start: say why
         tail = log.read_text(errors="replace").splitlines()[-15:]
@@ -162,7 +162,7 @@ async def theirs(url: str, out: Path) -> dict[str, float]:
     }
 
 
-async def ours(url: str) -> dict[str, float]:
+async def ours(url: str, seconds: int) -> dict[str, float]:
     rng = random.Random(1234)
     systems = [
         " ".join(f"s{g}x{rng.getrandbits(16)}" for _ in range(SYSTEM)) for g in range(GROUPS)
@@ -189,7 +189,7 @@ async def ours(url: str) -> dict[str, float]:
 
     async with aiohttp.ClientSession() as session:
         tasks = []
-        for i in range(int(RATE * SECONDS)):
+        for i in range(int(RATE * seconds)):
             await asyncio.sleep(max(0.0, start + i / RATE - time.perf_counter()))
             tasks.append(asyncio.create_task(one(session)))
         await asyncio.gather(*tasks)
@@ -205,7 +205,7 @@ async def ours(url: str) -> dict[str, float]:
     }
 
 
-async def measure(out: Path) -> dict[str, dict[str, float]]:
+async def measure(out: Path, seconds: int) -> dict[str, dict[str, float]]:
     sim_port, r_port = free_port(), free_port()
     sim = Proc([*DPROUTER, "sim", "--engines", "2", "--dp-size", "2", "--port", str(sim_port)])
     router = Proc(
@@ -225,7 +225,10 @@ async def measure(out: Path) -> dict[str, dict[str, float]]:
         await router.start(r"dprouter on http://")
         url = f"http://127.0.0.1:{r_port}"
         await peers.until_serving(url, model="sim-model")
-        return {"inference-perf": await theirs(url, out), "dprouter bench": await ours(url)}
+        return {
+            "inference-perf": await theirs(url, out, seconds),
+            "dprouter bench": await ours(url, seconds),
+        }
     finally:
         await router.stop()
         await sim.stop()
@@ -244,7 +247,8 @@ def run(quick: bool, out: Path) -> Result:
         )
     work = out.resolve() / "crosscheck"  # inference-perf runs there: no relative paths
     work.mkdir(parents=True, exist_ok=True)
-    found = asyncio.run(measure(work))
+    seconds = 10 if quick else 20
+    found = asyncio.run(measure(work, seconds))
     rows: list[list[Cell]] = [
         [name, m["ttft_p50"] * 1e3, m["ttft_p99"] * 1e3, m["req_s"], m["tok_s"], int(m["failed"])]
         for name, m in found.items()
@@ -257,7 +261,7 @@ def run(quick: bool, out: Path) -> Result:
         title="Cross-check: inference-perf and our load generator on the same load",
         method=(
             f"dprouter in front of 2 simulated vLLM engines x DP2; {RATE:.0f} streamed "
-            f"requests/s for {SECONDS} s, {GROUPS} shared {SYSTEM}-token system prompts, "
+            f"requests/s for {seconds} s, {GROUPS} shared {SYSTEM}-token system prompts, "
             f"{QUESTION}-token questions, {OUTPUT} output tokens, policy cache_aware; "
             "inference-perf 0.7.0 (a Python 3.12 environment of its own, local word-level "
             "tokenizer), then our generator with the same shape. TTFT: to the first event."

@@ -118,7 +118,7 @@ def summary(o: Outcome, cpu: float) -> dict[str, float]:
 
 def run(quick: bool, out: Path) -> Result:
     kinds = ["direct", "dprouter", BARE, *peers.available()]
-    found = asyncio.run(measure(kinds, 2.5 if quick else 10.0))
+    found = asyncio.run(measure(kinds, 1.5 if quick else 10.0))
     rows: list[list[Cell]] = []
     for kind, loads in found.items():
         for name, _, _ in LOADS:
@@ -167,7 +167,7 @@ def run(quick: bool, out: Path) -> Result:
         title="5. Overhead: a trivial backend, direct and through each router",
         method=(
             "Router alone on core 0 (taskset), trivial aiohttp backend and this closed-loop "
-            f"load generator on core 1; {2.5 if quick else 10} s per load after a warm-up; "
+            f"load generator on core 1; {1.5 if quick else 10} s per load after a warm-up; "
             "added p50 = router p50 - direct p50; CPU from /proc (process tree) per answered "
             "request; peak RSS = VmHWM. Every request checked for status 200."
         ),
