@@ -113,3 +113,17 @@ async def test_a_client_leaving_an_sglang_request_aborts_it_by_rid(
     async with http.post(router.url + "/v1/completions", json=client_rid) as r:
         assert r.status == 200
     assert engine.received[-1].body["rid"] == "mine-1"  # a client's own rid is kept
+
+
+async def test_a_stream_past_the_total_timeout_ends_with_an_error_event(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(time_scale=1.0)])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url), total_timeout=0.5))
+    body = {"prompt": "a long story", "max_tokens": 5000, "stream": True}
+    async with http.post(router.url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        data = await asyncio.wait_for(r.read(), 10)
+    assert data.endswith(b"data: [DONE]\n\n") and b"ran past the read or total timeout" in data
+    assert await until(lambda: not engine.engine.ranks[0].num_running)
+    assert all(t.outstanding == 0 for t in router.registry.targets())

@@ -175,3 +175,50 @@ async def test_an_engine_whose_health_fails_is_taken_out(
     for _ in range(4):
         async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
             assert r.headers["x-sim-engine"] == well.engine_id
+
+
+async def test_retry_after_rests_the_target_that_asked_for_it(
+    steady: str, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    busy = {"on": True, "hits": 0}
+
+    async def complete(request: web.Request) -> web.Response:
+        await request.read()
+        busy["hits"] += 1
+        if busy["on"]:
+            return web.json_response({"error": "busy"}, status=429, headers={"Retry-After": "1"})
+        return web.json_response({"choices": [{"text": "ok"}]}, headers={"X-From": "busy"})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    async with serving(app) as url:
+        router = await start_router(
+            RouterConfig(workers=workers(url, steady, dialect="vllm", dp_size=1))
+        )
+
+        def pool() -> list[str]:
+            return [t.label for t in router.registry.snapshot.pool()]
+
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200 and r.headers["X-From"] == "steady"
+        assert pool() == ["w1"] and busy["hits"] == 1  # resting, as it asked
+        busy["on"] = False
+        for _ in range(3):
+            async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+                assert r.headers["X-From"] == "steady"
+        assert busy["hits"] == 1
+        assert await until(lambda: pool() == ["w0", "w1"], 3)  # back after its second
+
+
+async def test_attempts_are_spaced_by_a_growing_backoff(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    cluster = await start_cluster([EngineConfig(faults=Faults(fail_rate=1.0))] * 3)
+    config = RouterConfig(workers=workers(*cluster.urls), retry_backoff=0.2, breaker_failures=0)
+    router = await start_router(config)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 500  # the last engine's own answer
+    assert loop.time() - t0 >= 0.5 * 0.2 + 0.5 * 0.4  # two waits, each at least half its step
+    assert sum(s.generation_requests for s in cluster.servers) == 3

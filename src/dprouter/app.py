@@ -180,7 +180,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         keepalive_timeout=config.upstream_keepalive,
     )
     timeout = aiohttp.ClientTimeout(
-        total=None, sock_connect=config.connect_timeout, sock_read=config.read_timeout or None
+        total=config.total_timeout or None,
+        sock_connect=config.connect_timeout,
+        sock_read=config.read_timeout or None,
     )
     session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
     if config.pd == "vllm-moriio":

@@ -51,31 +51,42 @@ class Breakers:
         if target in self._trial or count >= self.options.failures:
             self._open(target, count)
 
+    def rest(self, target: Target, seconds: float) -> None:
+        """Out for ``seconds``, as the engine's ``Retry-After`` asked; then simply back."""
+        if not target.tripped:
+            self._open(target, 0, seconds, trial=False)
+
     def stop(self) -> None:
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
 
-    def _open(self, target: Target, count: int) -> None:
+    def _open(
+        self, target: Target, count: int, seconds: float | None = None, trial: bool = True
+    ) -> None:
         closed = self.registry.snapshot.pool(target.worker.role)
         if all(t is target for t in closed):
             return  # the last one (or gone already): its engine's answers pass through
+        seconds = self.options.cooldown if seconds is None else seconds
         target.tripped = True
         self._trial.discard(target)
         self.registry.rebuild()
-        log.warning(
-            "target %s failed %d time(s) in a row: out for %g s",
-            target.label,
-            count,
-            self.options.cooldown,
-        )
+        if count:
+            log.warning(
+                "target %s failed %d time(s) in a row: out for %g s", target.label, count, seconds
+            )
+        else:
+            log.info(
+                "target %s asked for a pause (Retry-After): out for %g s", target.label, seconds
+            )
         loop = asyncio.get_running_loop()
-        self._timers[target] = loop.call_later(self.options.cooldown, self._half_open, target)
+        self._timers[target] = loop.call_later(seconds, self._close, target, trial)
 
-    def _half_open(self, target: Target) -> None:
+    def _close(self, target: Target, trial: bool) -> None:
         self._timers.pop(target, None)
         target.tripped = False
         self._failures.pop(target, None)
-        self._trial.add(target)
+        if trial:
+            self._trial.add(target)
+            log.info("target %s half-open: back in, its next answer decides", target.label)
         self.registry.rebuild()
-        log.info("target %s half-open: back in, its next answer decides", target.label)

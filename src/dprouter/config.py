@@ -65,6 +65,8 @@ class RouterConfig:
     max_concurrent: int = 0  # requests in flight at once; 0: no cap
     queue_size: int = 1024  # beyond the cap, requests waiting for a slot at most
     queue_timeout: float = 30.0  # seconds one waits for a slot before a 429
+    retry_backoff: float = 0.02  # seconds before the 2nd attempt, doubling, at most 1 s
+    total_timeout: float = 0.0  # seconds one attempt may take in all, stream included; 0: none
     breaker_failures: int = 5  # consecutive failures that take a target out; 0: never
     breaker_cooldown: float = 10.0  # seconds out before a half-open trial
     health_interval: float = 5.0  # seconds between health checks of each worker; 0: off
@@ -159,6 +161,8 @@ def validate(config: RouterConfig) -> RouterConfig:
         "breaker_failures",
         "breaker_cooldown",
         "health_interval",
+        "retry_backoff",
+        "total_timeout",
     ):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")

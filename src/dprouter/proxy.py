@@ -11,6 +11,7 @@ and a disconnect closes the upstream connection so the engine stops generating.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Sequence
 
 import aiohttp
@@ -30,6 +31,15 @@ from dprouter.targets import DialectName, Outstanding, Target, Worker
 
 HOP_AND_AUTH = HOP_BY_HOP | {"authorization"}  # a client's API key is not the engine's
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+RETRY_BACKOFF_MAX = 1.0  # seconds, the longest wait between two attempts
+REST_MAX = 60.0  # seconds, the longest pause a Retry-After can ask of a target
+
+
+def retry_after(value: str | None) -> float:
+    """Seconds a ``Retry-After`` header asks for (delta-seconds form; dates are ignored)."""
+    if value is None or not value.strip().isdigit():
+        return 0.0
+    return min(float(value), REST_MAX)
 
 
 Admitted = tuple[bytes, Incoming, dict[str, str], int | None, bool]
@@ -76,6 +86,7 @@ class Proxy:
         self.unreachable = unreachable  # a worker refused a connection: take it out
         self.breakers = breakers or Breakers(registry)
         self.aborter = Aborter(session)  # SGLang: a client that leaves aborts its request
+        self.jitter = random.Random(config.seed)
 
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
@@ -93,6 +104,9 @@ class Proxy:
             candidates = pool if not tried else tuple(t for t in pool if t not in tried)
             if not candidates:
                 break
+            if attempt:  # capped exponential backoff with jitter: a struggling fleet breathes
+                wait = min(self.config.retry_backoff * 2 ** (attempt - 1), RETRY_BACKOFF_MAX)
+                await asyncio.sleep(wait * self.jitter.uniform(0.5, 1.0))
             info = RequestInfo(
                 incoming.key,
                 incoming.text,
@@ -131,6 +145,9 @@ class Proxy:
                 status = upstream.status
                 if status >= 500:  # 408 and 429 say busy, not broken: no breaker count
                     self.breakers.failed(target)
+                rest = retry_after(upstream.headers.get("Retry-After"))
+                if rest and status in (429, 503):  # the engine asked for a pause: give it one
+                    self.breakers.rest(target, rest)
                 if status in RETRY_STATUS and not last_chance:
                     series.failed(f"status_{status}")
                     last = f"{target.label}: HTTP {status}"

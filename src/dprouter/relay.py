@@ -118,9 +118,14 @@ async def _stream(
                 first = False
             await resp.write(chunk)
             tail = (tail + chunk)[-2:]
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError):
-        series.failed("stream_cut")
-        message = f"upstream {target.label} closed the stream before it finished"
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+        timed_out = isinstance(exc, TimeoutError)
+        series.failed("stream_timeout" if timed_out else "stream_cut")
+        message = (
+            f"upstream {target.label} ran past the read or total timeout mid-stream"
+            if timed_out
+            else f"upstream {target.label} closed the stream before it finished"
+        )
         gap = b"" if tail == b"\n\n" else b"\n\n"  # end a half-written event first
         await resp.write(gap + sse_error(502, message, "upstream_error"))
     await resp.write_eof()

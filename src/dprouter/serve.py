@@ -138,6 +138,20 @@ def make_config(
 @click.option("--backlog", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--attempts", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option(
+    "--retry-backoff",
+    type=click.FloatRange(min=0),
+    default=0.02,
+    show_default=True,
+    help="Seconds before a second attempt, doubling per attempt, jittered, at most 1 s.",
+)
+@click.option(
+    "--total-timeout",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds one attempt may take in all, a stream included (0: no limit).",
+)
+@click.option(
     "--max-concurrent",
     type=click.IntRange(min=0),
     default=0,
