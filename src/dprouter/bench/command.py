@@ -19,6 +19,7 @@ from dprouter.bench import (
     peers_quality,
     prefix,
     scale,
+    soak,
 )
 from dprouter.bench.results import Result, write_report
 
@@ -33,10 +34,11 @@ SCENARIOS: dict[str, Scenario] = {
     "scale": scale.run,
     "crosscheck": crosscheck.run,
 }
+LONG: dict[str, Scenario] = {"soak": soak.run}  # minutes by design: not part of "all"
 
 
 @click.command()
-@click.argument("scenarios", nargs=-1, type=click.Choice([*SCENARIOS, "all"]), required=True)
+@click.argument("scenarios", nargs=-1, type=click.Choice([*SCENARIOS, *LONG, "all"]), required=True)
 @click.option("--quick", is_flag=True, help="Smaller runs: the whole set in a few minutes.")
 @click.option(
     "--out",
@@ -53,7 +55,7 @@ def bench(scenarios: tuple[str, ...], quick: bool, out: Path) -> None:
         for name in bar:
             bar.set_description(name)
             t0 = time.perf_counter()
-            result = SCENARIOS[name](quick, out)
+            result = {**SCENARIOS, **LONG}[name](quick, out)
             result.data["wall_seconds"] = time.perf_counter() - t0
             results.append(result)
             tqdm.write(f"\n{result.title}\n{result.table()}\n{result.verdict}\n", file=sys.stdout)

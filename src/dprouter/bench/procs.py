@@ -58,6 +58,18 @@ def peak_rss_mb(pid: int) -> float:
     return total / 1024
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of the tree now (VmRSS)."""
+    total = 0
+    for p in tree(pid):
+        try:
+            found = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
+        except OSError:
+            continue
+        total += int(found[1]) if found else 0
+    return total / 1024
+
+
 class Proc:
     """A child process in its own process group, optionally pinned to ``cpus``."""
 
