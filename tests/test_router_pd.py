@@ -358,3 +358,42 @@ async def test_bad_registration_messages_do_not_silence_registration(
         ctx.term()
     (worker,) = router.registry.workers.values()
     assert (worker.role, worker.ranks, worker.transfer_mode) == ("decode", 2, "READ")
+
+
+async def test_a_failing_prefill_rank_is_taken_out_by_its_breaker(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    dep = await deploy(
+        start_cluster,
+        start_router,
+        "sglang",
+        (1, 4),
+        (1, 2),
+        faults=Faults(failing_ranks=frozenset({1})),
+        breaker_failures=2,
+        breaker_cooldown=60,
+    )
+    pairs = await served(http, dep.router.url, 16)  # every one answered: the pair re-chosen
+    assert "p0/1" not in {p for p, _ in pairs}
+    pool = dep.router.registry.snapshot.pool("prefill")
+    assert [t.label for t in pool] == ["p0/0", "p0/2", "p0/3"]
+    async with http.get(dep.router.url + "/metrics") as r:
+        text = await r.text()
+    assert 'cause="status_500",dp_rank="1",role="prefill",worker="p0"} 2.0' in text
+
+
+async def test_a_client_leaving_an_sglang_pd_request_aborts_both_legs(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    dep = await deploy(start_cluster, start_router, "sglang", (1, 2), (1, 2))
+    (prefill,), (decode,) = dep.prefills, dep.decodes
+    body = {"prompt": "a long story", "max_tokens": 5000}
+    leaving = asyncio.create_task(http.post(dep.router.url + "/v1/completions", json=body))
+    assert await until(lambda: any(r.num_running for r in decode.engine.ranks))
+    leaving.cancel()
+    assert await until(lambda: len(decode.abort_requests) == 1 == len(prefill.abort_requests))
+    rid = decode.received[-1].body["rid"]
+    assert prefill.received[-1].body["rid"] == rid  # one id for both legs
+    assert list(decode.abort_requests) == list(prefill.abort_requests) == [rid]
+    assert await until(lambda: not any(r.num_running for r in decode.engine.ranks))
+    assert all(t.outstanding == 0 for t in dep.router.registry.targets())

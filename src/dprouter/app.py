@@ -23,6 +23,7 @@ from dprouter.config import RouterConfig, validate
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
+from dprouter.openapi import describe
 from dprouter.parse import Kind
 from dprouter.pd.proxy import PairProxy
 from dprouter.pd.registration import Registration
@@ -129,6 +130,11 @@ def build_app(
             503, f"no ready worker yet for {' and '.join(roles)}", "ServiceUnavailableError"
         )
 
+    description = describe()
+
+    async def openapi(_: web.Request) -> web.Response:
+        return web.json_response(description)
+
     async def metrics(_: web.Request) -> web.Response:
         body = generate_latest(parts.metrics.prom)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -142,6 +148,7 @@ def build_app(
             web.get("/health", health),
             web.get("/readiness", readiness),
             web.get("/metrics", metrics),
+            web.get("/openapi.json", openapi),
             *admin_routes(config.admin_token, registry, parts.monitor),
         ]
     )
@@ -199,6 +206,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.metrics,
             session,
             parts.monitor.suspect,
+            parts.breakers,
         )
     else:
         parts.proxy = Proxy(

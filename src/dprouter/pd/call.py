@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from dprouter import dialects
+from dprouter.cancel import Aborter
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Incoming
 from dprouter.relay import UpstreamBroke, relay
@@ -58,6 +59,7 @@ class Call:
     session: aiohttp.ClientSession
     metrics: RouterMetrics
     unreachable: Any  # Callable[[Worker], None]: a refused connection takes a worker out
+    aborter: Aborter  # SGLang: a client that leaves aborts its request on the engines
 
     @property
     def body(self) -> dict[str, Any]:

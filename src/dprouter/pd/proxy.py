@@ -17,6 +17,8 @@ from functools import partial
 import aiohttp
 from aiohttp import web
 
+from dprouter.breaker import Breakers
+from dprouter.cancel import Aborter
 from dprouter.config import RouterConfig
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Kind
@@ -42,8 +44,11 @@ class PairProxy:
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
         unreachable: Callable[[Worker], None],
+        breakers: Breakers | None = None,
     ) -> None:
         self.config = config
+        self.breakers = breakers or Breakers(registry)
+        self.aborter = Aborter(session)  # SGLang: a client that leaves aborts both legs
         self.registry = registry
         self.pairing = Pairing(prefill_policy, decode_policy)
         self.metrics = metrics
@@ -73,7 +78,14 @@ class PairProxy:
         if isinstance(pools, web.Response):
             return pools
         call = Call(
-            request, incoming, headers, started, self.session, self.metrics, self.unreachable
+            request,
+            incoming,
+            headers,
+            started,
+            self.session,
+            self.metrics,
+            self.unreachable,
+            self.aborter,
         )
         info = RequestInfo(incoming.key, incoming.text, incoming.tokens, started)
         tried: dict[Side, list[Target]] = {"prefill": [], "decode": []}
@@ -87,11 +99,18 @@ class PairProxy:
                 prefills, decodes, replace(info, attempt=attempt), incoming.model
             )
             try:
-                return await self.flow(call, prefill, decode)
+                answer = await self.flow(call, prefill, decode)
             except PairFailed as failed:
                 self.metrics.series(failed.target).failed(failed.cause)
+                if failed.cause not in ("status_408", "status_429"):  # busy is not broken
+                    self.breakers.failed(failed.target)
                 tried[failed.side].append(failed.target)
                 last = str(failed)
+                continue
+            if answer.status < 500:
+                self.breakers.succeeded(prefill)
+                self.breakers.succeeded(decode)
+            return answer
         self.metrics.rejected.labels("upstream_failed").inc()
         return error(502, f"every prefill/decode pair failed; last: {last}", "upstream_error")
 

@@ -6,6 +6,7 @@ import random
 
 from aiohttp import web
 
+from dprouter.cancel import ensure_rid
 from dprouter.pd import wire
 from dprouter.pd.call import Call
 from dprouter.pd.concurrent import run_both
@@ -15,6 +16,9 @@ from dprouter.targets import Target
 async def run(
     call: Call, prefill: Target, decode: Target, rng: random.Random
 ) -> web.StreamResponse:
-    room = wire.sglang_rooms(call.body, prefill, rng)
-    prefill_body, decode_body = wire.sglang_bodies(call.body, prefill, decode, room)
-    return await run_both(call, prefill, decode, prefill_body, decode_body, {})
+    body = dict(call.body)
+    rid, _ = ensure_rid(body)  # both legs carry it: a client that leaves aborts both
+    room = wire.sglang_rooms(body, prefill, rng)
+    prefill_body, decode_body = wire.sglang_bodies(body, prefill, decode, room)
+    with call.aborter.on_cancel(prefill.worker, rid), call.aborter.on_cancel(decode.worker, rid):
+        return await run_both(call, prefill, decode, prefill_body, decode_body, {})

@@ -1,0 +1,59 @@
+"""The router against its own OpenAPI description, fuzzed by schemathesis (a real process)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from dprouter.config import RouterConfig
+from dprouter.sim.config import EngineConfig
+from tests.conftest import StartCluster, StartRouter, workers
+
+
+async def test_the_description_is_served(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    async with http.get(router.url + "/openapi.json") as r:
+        spec = await r.json()
+    assert spec["openapi"].startswith("3.1")
+    assert {"/v1/completions", "/v1/chat/completions", "/health", "/metrics"} <= set(spec["paths"])
+
+
+async def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
+    start_cluster: StartCluster, start_router: StartRouter, tmp_path: Path
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2, time_scale=0.01)])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    command = [
+        str(Path(sys.executable).parent / "schemathesis"),
+        "run",
+        router.url + "/openapi.json",
+        "--checks",
+        "not_a_server_error,status_code_conformance,content_type_conformance",
+        "--mode",
+        "all",  # valid and invalid bodies: invalid ones must get a documented 4xx
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--max-examples",
+        "40",
+        "--seed",
+        "7",
+        "--no-color",
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        *command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,  # its cache and reports stay out of the repository
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    assert engine.generation_requests > 0  # valid requests reached the engine
