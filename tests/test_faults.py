@@ -127,3 +127,19 @@ async def test_a_stream_past_the_total_timeout_ends_with_an_error_event(
     assert data.endswith(b"data: [DONE]\n\n") and b"ran past the read or total timeout" in data
     assert await until(lambda: not engine.engine.ranks[0].num_running)
     assert all(t.outstanding == 0 for t in router.registry.targets())
+
+
+async def test_an_engine_that_never_starts_answering_is_left_after_the_first_byte_timeout(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    hung, fine = (
+        await start_cluster([EngineConfig(faults=Faults(hang=True)), EngineConfig()])
+    ).servers
+    config = RouterConfig(workers=workers(hung.url, fine.url), first_byte_timeout=0.3)
+    router = await start_router(config)  # the read timeout stays at its 600 s default
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 200 and r.headers["x-sim-engine"] == fine.engine_id
+    assert loop.time() - t0 < 5
+    assert all(t.outstanding == 0 for t in router.registry.targets())

@@ -58,6 +58,8 @@ class Flaky:
     broken: bool = True
     healthy: bool = True
     hits: int = 0
+    checks: int = 0  # GET /health received
+    slow_health: float = 0.0  # seconds /health takes to answer
 
 
 @pytest.fixture
@@ -73,6 +75,8 @@ async def flaky() -> AsyncIterator[Flaky]:
         return web.json_response({"choices": [{"text": "ok"}]}, headers={"X-From": "flaky"})
 
     async def health(_: web.Request) -> web.Response:
+        state.checks += 1
+        await asyncio.sleep(state.slow_health)
         return web.Response(status=200 if state.healthy else 503)
 
     app = web.Application()
@@ -222,3 +226,25 @@ async def test_attempts_are_spaced_by_a_growing_backoff(
         assert r.status == 500  # the last engine's own answer
     assert loop.time() - t0 >= 0.5 * 0.2 + 0.5 * 0.4  # two waits, each at least half its step
     assert sum(s.generation_requests for s in cluster.servers) == 3
+
+
+async def test_a_slow_health_check_fails_and_recovery_takes_several_good_ones(
+    flaky: Flaky, steady: str, start_router: StartRouter
+) -> None:
+    flaky.broken = False
+    specs = workers(flaky.url, steady, dialect="vllm", dp_size=1)
+    config = RouterConfig(
+        workers=specs,
+        health_interval=0.05,
+        health_failures=2,
+        health_timeout=0.2,
+        health_successes=3,
+    )
+    router = await start_router(config)
+    w0 = router.registry.workers["w0"]
+    flaky.slow_health = 1.0  # answers 200, but too late
+    assert await until(lambda: not w0.ready, 5)
+    flaky.slow_health = 0.0
+    before = flaky.checks
+    assert await until(lambda: w0.ready, 5)
+    assert flaky.checks - before >= 3  # three good checks in a row before it came back

@@ -76,6 +76,8 @@ def build_app(
                 scrape_interval=config.load_interval,
                 health_interval=config.health_interval,
                 health_failures=config.health_failures,
+                health_successes=config.health_successes,
+                health_timeout=config.health_timeout,
             ),
         ),
         metrics=RouterMetrics(registry),

@@ -71,6 +71,9 @@ class RouterConfig:
     breaker_cooldown: float = 10.0  # seconds out before a half-open trial
     health_interval: float = 5.0  # seconds between health checks of each worker; 0: off
     health_failures: int = 3  # consecutive failed checks that take a worker out
+    health_successes: int = 2  # consecutive good checks that take it back
+    health_timeout: float = 2.0  # seconds one check may take
+    first_byte_timeout: float = 0.0  # seconds to the answer's headers; 0: --read-timeout
     grace: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     load_interval: float = 1.0  # seconds between scrapes of engine-reported load; 0: off
     startup_timeout: float = 10.0  # serve waits this long for discovery before listening
@@ -161,13 +164,15 @@ def validate(config: RouterConfig) -> RouterConfig:
         "breaker_failures",
         "breaker_cooldown",
         "health_interval",
+        "health_timeout",
+        "first_byte_timeout",
         "retry_backoff",
         "total_timeout",
     ):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
-    if config.health_failures < 1:
-        raise ConfigError("health_failures must be at least 1")
+    if config.health_failures < 1 or config.health_successes < 1:
+        raise ConfigError("health_failures and health_successes must be at least 1")
     for name in ("prefill_policy", "decode_policy"):
         chosen = getattr(config, name)
         if chosen is not None and chosen not in POLICIES:

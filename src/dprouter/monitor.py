@@ -28,6 +28,8 @@ class MonitorOptions:
     scrape_interval: float = 1.0  # engine-reported load; 0 turns scraping off
     health_interval: float = 5.0  # GET /health of each ready worker; 0 turns checks off
     health_failures: int = 3  # consecutive failed checks before the worker is taken out
+    health_successes: int = 2  # consecutive good checks before it is taken back
+    health_timeout: float = 2.0  # seconds one check may take
 
 
 class Monitor:
@@ -100,8 +102,8 @@ class Monitor:
         delay = self.options.retry_min
         while True:
             try:
-                if self.options.health_interval > 0 and not await self._healthy(worker):
-                    raise discovery.DiscoveryError("GET /health fails (no answer, or 5xx)")
+                if self.options.health_interval > 0:
+                    await self._recovered(worker)
                 found = await discovery.probe(self.session, worker)
             except discovery.Contradiction as exc:
                 log.error("worker %s refused: %s", worker.id, exc)
@@ -170,8 +172,17 @@ class Monitor:
 
     async def _healthy(self, worker: Worker) -> bool:
         """``/health`` answers below 500 in time (a 404: the worker has no such check)."""
+        timeout = aiohttp.ClientTimeout(total=self.options.health_timeout)
         try:
-            async with self.session.get(worker.url + "/health") as r:
+            async with self.session.get(worker.url + "/health", timeout=timeout) as r:
                 return r.status < 500
         except (aiohttp.ClientError, TimeoutError):
             return False
+
+    async def _recovered(self, worker: Worker) -> None:
+        """``health_successes`` good checks in a row, a little apart, or DiscoveryError."""
+        for i in range(self.options.health_successes):
+            if i:
+                await asyncio.sleep(min(self.options.retry_min, self.options.health_interval))
+            if not await self._healthy(worker):
+                raise discovery.DiscoveryError("GET /health fails (no answer in time, or 5xx)")

@@ -128,9 +128,10 @@ class Proxy:
                 data = raw  # untouched: forward the client's bytes as they came
             with Outstanding(target, incoming.tokens), self.aborter.on_cancel(target.worker, rid):
                 try:
-                    upstream = await self.session.post(
-                        target.worker.url + request.path_qs, data=data, headers=sent
-                    )
+                    async with asyncio.timeout(self.config.first_byte_timeout or None):
+                        upstream = await self.session.post(
+                            target.worker.url + request.path_qs, data=data, headers=sent
+                        )
                 except aiohttp.ClientConnectorError as exc:
                     series.failed("connect")
                     self.unreachable(target.worker)

@@ -201,6 +201,27 @@ def make_config(
     help="Consecutive failed health checks that take a worker out.",
 )
 @click.option(
+    "--health-successes",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Consecutive good health checks that take a worker back.",
+)
+@click.option(
+    "--health-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2.0,
+    show_default=True,
+    help="Seconds one health check may take.",
+)
+@click.option(
+    "--first-byte-timeout",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds until an engine's answer starts (0: --read-timeout); then retried elsewhere.",
+)
+@click.option(
     "--grace",
     type=click.FloatRange(min=0),
     default=30.0,
