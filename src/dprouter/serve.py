@@ -215,6 +215,13 @@ def make_config(
     help="Seconds one health check may take.",
 )
 @click.option(
+    "--connect-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Seconds to open a connection to an engine; then retried elsewhere.",
+)
+@click.option(
     "--first-byte-timeout",
     type=click.FloatRange(min=0),
     default=0.0,
