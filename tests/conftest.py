@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from dprouter.app import Router
 from dprouter.config import RouterConfig, WorkerSpec
@@ -104,3 +105,15 @@ async def until(check: Callable[[], bool], seconds: float = 5.0) -> bool:
             return True
         await asyncio.sleep(0.02)
     return check()
+
+
+async def metric_sum(http: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float:
+    """The samples named ``name`` on ``url``/metrics whose labels include ``labels``, summed."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )

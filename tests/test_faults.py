@@ -14,19 +14,9 @@ import aiohttp
 
 from dprouter.config import RouterConfig
 from dprouter.sim.config import EngineConfig, Faults
-from tests.conftest import StartCluster, StartRouter, until, workers
+from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
 
 PROMPT = {"prompt": "fault injection", "max_tokens": 4}
-
-
-async def metric_total(http: aiohttp.ClientSession, base: str, name: str) -> float:
-    async with http.get(base + "/metrics") as r:
-        text = await r.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
 
 
 async def test_ten_percent_upstream_failures_never_reach_the_clients(
@@ -46,7 +36,7 @@ async def test_ten_percent_upstream_failures_never_reach_the_clients(
 
     await asyncio.gather(*(one() for _ in range(400)))
     assert statuses == {200: 400}
-    failed = await metric_total(http, router.url, "dprouter_upstream_errors_total")
+    failed = await metric_sum(http, router.url, "dprouter_upstream_errors_total")
     assert 15 <= failed <= 80  # about 10% of ~440 attempts failed, and were retried
     assert sum(s.generation_requests for s in cluster.servers) == 400 + failed
     assert all(t.outstanding == 0 for t in router.registry.targets())

@@ -13,25 +13,9 @@ from aiohttp import web
 
 from dprouter.config import RouterConfig
 from dprouter.sim.config import EngineConfig, Faults
-from tests.conftest import StartCluster, StartRouter, serving, until, workers
+from tests.conftest import StartCluster, StartRouter, metric_sum, serving, until, workers
 
 PROMPT = {"prompt": "are you well", "max_tokens": 2}
-
-
-async def errors_of(http: aiohttp.ClientSession, base: str, label: str) -> float:
-    """Failed attempts the router counted on target ``label`` ("w0/2")."""
-    worker, _, rank = label.partition("/")
-    async with http.get(base + "/metrics") as r:
-        text = await r.text()
-    total = 0.0
-    for line in text.splitlines():
-        if (
-            line.startswith("dprouter_upstream_errors_total{")
-            and f'worker="{worker}"' in line
-            and f'dp_rank="{rank}"' in line
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 async def test_a_failing_rank_is_taken_out_while_its_siblings_serve(
@@ -47,7 +31,10 @@ async def test_a_failing_rank_is_taken_out_while_its_siblings_serve(
         async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
             assert r.status == 200  # the failed attempts were retried on a sibling rank
             served[r.headers["x-sim-dp-rank"]] += 1
-    assert await errors_of(http, router.url, "w0/2") == 2  # then the breaker opened
+    errors = await metric_sum(
+        http, router.url, "dprouter_upstream_errors_total", worker="w0", dp_rank="2"
+    )
+    assert errors == 2  # then the breaker opened
     assert set(served) == {"0", "1", "3"} and sum(served.values()) == 40
     assert [t.label for t in router.registry.snapshot.pool()] == ["w0/0", "w0/1", "w0/3"]
 

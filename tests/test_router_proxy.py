@@ -12,7 +12,7 @@ from aiohttp import web
 from dprouter.config import RouterConfig
 from dprouter.net import bind, url_of
 from dprouter.sim.config import EngineConfig, Faults
-from tests.conftest import StartCluster, StartRouter, serving, workers
+from tests.conftest import StartCluster, StartRouter, metric_sum, serving, workers
 from tests.test_sim_vllm import sse_events
 
 PROMPT = {"prompt": "pass me through", "max_tokens": 3}
@@ -177,17 +177,7 @@ async def test_two_routers_side_by_side_in_one_process(
     for router in (a, b, a):
         async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
             assert r.status == 200
-    counts = []
-    for router in (a, b):
-        async with http.get(router.url + "/metrics") as r:
-            text = await r.text()
-        counts.append(
-            sum(
-                float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith("dprouter_requests_total")
-            )
-        )
+    counts = [await metric_sum(http, x.url, "dprouter_requests_total") for x in (a, b)]
     assert counts == [2.0, 1.0]
 
 

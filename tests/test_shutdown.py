@@ -6,6 +6,7 @@ import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
@@ -51,15 +52,28 @@ async def read_stream(http: aiohttp.ClientSession, url: str, gap: float) -> tupl
         return -1, repr(exc).encode()
 
 
+@asynccontextmanager
+async def streaming(
+    slow_stream: tuple[str, asyncio.Event], http: aiohttp.ClientSession, grace: float, gap: float
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, list[asyncio.Task[tuple[int, bytes]]]]]:
+    """``serve`` with ``--grace``, 8 streams running through it (events ``gap`` s apart);
+    killed at the end if the test left it running."""
+    upstream, started = slow_stream
+    proc = await _serve("--worker", f"{upstream},dialect=vllm,dp_size=1", "--grace", str(grace))
+    try:
+        base, _ = await listening(proc)
+        streams = [asyncio.create_task(read_stream(http, base, gap)) for _ in range(8)]
+        await asyncio.wait_for(started.wait(), 10)
+        yield proc, base, streams
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+
+
 async def test_sigterm_lets_every_stream_in_flight_finish_and_takes_no_new_ones(
     slow_stream: tuple[str, asyncio.Event], http: aiohttp.ClientSession
 ) -> None:
-    upstream, started = slow_stream
-    proc = await _serve("--worker", f"{upstream},dialect=vllm,dp_size=1", "--grace", "20")
-    try:
-        base, _ = await listening(proc)
-        streams = [asyncio.create_task(read_stream(http, base, 0.1)) for _ in range(8)]
-        await asyncio.wait_for(started.wait(), 10)
+    async with streaming(slow_stream, http, grace=20, gap=0.1) as (proc, base, streams):
         proc.send_signal(signal.SIGTERM)
         refused = False
         async with asyncio.timeout(10):  # the listener closes at once
@@ -72,9 +86,6 @@ async def test_sigterm_lets_every_stream_in_flight_finish_and_takes_no_new_ones(
                 await asyncio.sleep(0.02)
         answers = await asyncio.gather(*streams)
         code = await asyncio.wait_for(proc.wait(), 20)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
     assert code == 0
     for status, body in answers:  # every one complete: all events, then [DONE]
         assert status == 200 and body.count(b"data: ") == CHUNKS + 1, body
@@ -84,12 +95,7 @@ async def test_sigterm_lets_every_stream_in_flight_finish_and_takes_no_new_ones(
 async def test_a_second_signal_exits_at_once(
     slow_stream: tuple[str, asyncio.Event], http: aiohttp.ClientSession
 ) -> None:
-    upstream, started = slow_stream
-    proc = await _serve("--worker", f"{upstream},dialect=vllm,dp_size=1", "--grace", "60")
-    try:
-        base, _ = await listening(proc)
-        streams = [asyncio.create_task(read_stream(http, base, 3.0)) for _ in range(8)]
-        await asyncio.wait_for(started.wait(), 10)
+    async with streaming(slow_stream, http, grace=60, gap=3.0) as (proc, _, streams):
         proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         t0 = time.monotonic()
@@ -97,8 +103,5 @@ async def test_a_second_signal_exits_at_once(
         code = await asyncio.wait_for(proc.wait(), 10)
         took = time.monotonic() - t0
         answers = await asyncio.wait_for(asyncio.gather(*streams), 10)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
     assert code == 1 and took < 5  # not the 60 s grace nor the 30 s of streams
     assert all(body.count(b"data: ") < CHUNKS + 1 for _, body in answers)  # cut short

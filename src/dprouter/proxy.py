@@ -11,6 +11,7 @@ and a disconnect closes the upstream connection so the engine stops generating.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Callable, Sequence
 
@@ -31,6 +32,7 @@ from dprouter.targets import DialectName, Outstanding, Target, Worker
 
 HOP_AND_AUTH = HOP_BY_HOP | {"authorization"}  # a client's API key is not the engine's
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+NO_TIMER = contextlib.nullcontext()
 RETRY_BACKOFF_MAX = 1.0  # seconds, the longest wait between two attempts
 REST_MAX = 60.0  # seconds, the longest pause a Retry-After can ask of a target
 
@@ -87,6 +89,9 @@ class Proxy:
         self.breakers = breakers or Breakers(registry)
         self.aborter = Aborter(session)  # SGLang: a client that leaves aborts its request
         self.jitter = random.Random(config.seed)
+        # the answer must start within --first-byte-timeout; off: no timer per request
+        fb = config.first_byte_timeout
+        self.first_byte = (lambda: asyncio.timeout(fb)) if fb else (lambda: NO_TIMER)
 
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
@@ -128,7 +133,7 @@ class Proxy:
                 data = raw  # untouched: forward the client's bytes as they came
             with Outstanding(target, incoming.tokens), self.aborter.on_cancel(target.worker, rid):
                 try:
-                    async with asyncio.timeout(self.config.first_byte_timeout or None):
+                    async with self.first_byte():
                         upstream = await self.session.post(
                             target.worker.url + request.path_qs, data=data, headers=sent
                         )

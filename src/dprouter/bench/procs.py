@@ -46,28 +46,25 @@ def cpu_seconds(pid: int) -> float:
     return total / CLK
 
 
-def peak_rss_mb(pid: int) -> float:
+def _status_mb(pid: int, field: str) -> float:
+    """A memory field of /proc/PID/status (VmHWM, VmRSS), summed over the tree."""
     total = 0
     for p in tree(pid):
         try:
-            status = Path(f"/proc/{p}/status").read_text()
+            found = re.search(rf"{field}:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
         except OSError:
             continue
-        found = re.search(r"VmHWM:\s+(\d+) kB", status)
         total += int(found[1]) if found else 0
     return total / 1024
+
+
+def peak_rss_mb(pid: int) -> float:
+    return _status_mb(pid, "VmHWM")
 
 
 def rss_mb(pid: int) -> float:
-    """Resident memory of the tree now (VmRSS)."""
-    total = 0
-    for p in tree(pid):
-        try:
-            found = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
-        except OSError:
-            continue
-        total += int(found[1]) if found else 0
-    return total / 1024
+    """Resident memory of the tree now."""
+    return _status_mb(pid, "VmRSS")
 
 
 class Proc:

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from dprouter.bench.peers import until_serving
 from dprouter.bench.plots import lines
@@ -76,9 +77,10 @@ async def outstanding(url: str) -> float:
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
         text = await r.text()
     return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("dprouter_outstanding{")
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "dprouter_outstanding"
     )
 
 

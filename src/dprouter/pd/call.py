@@ -15,11 +15,11 @@ from dprouter import dialects
 from dprouter.cancel import Aborter
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Incoming
+from dprouter.proxy import RETRY_STATUS
 from dprouter.relay import UpstreamBroke, relay
 from dprouter.targets import Target, Worker
 
 Side = Literal["prefill", "decode"]
-RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 PREFILL_HEADER = "x-dprouter-prefill"
 
 
