@@ -14,15 +14,24 @@ from dprouter.sim.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, workers
 
 
-async def test_the_description_is_served(
+async def test_the_description_documents_the_errors_the_router_really_gives(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     (engine,) = (await start_cluster([EngineConfig()])).servers
-    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    router = await start_router(RouterConfig(workers=workers(engine.url), max_body=1024))
     async with http.get(router.url + "/openapi.json") as r:
-        spec = await r.json()
-    assert spec["openapi"].startswith("3.1")
-    assert {"/v1/completions", "/v1/chat/completions", "/health", "/metrics"} <= set(spec["paths"])
+        documented = set((await r.json())["paths"]["/v1/completions"]["post"]["responses"])
+    bad = {
+        b"{not json": "invalid JSON",
+        b'{"prompt": 7}': "a wrong type",
+        b'{"prompt": "x", "model": "nope"}': "an unknown model",
+        b'{"prompt": "' + b"x" * 2000 + b'"}': "a body over --max-body",
+    }
+    for raw, what in bad.items():
+        async with http.post(router.url + "/v1/completions", data=raw) as r:
+            assert str(r.status) in documented, (what, r.status)
+            assert (await r.json())["error"]["message"], what
+    assert engine.generation_requests == 0
 
 
 async def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
