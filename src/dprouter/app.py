@@ -247,6 +247,7 @@ class Router:
         self.config = self.parts.config
         self.port = self.config.port
         self._runner: web.AppRunner | None = None
+        self._site: web.SockSite | None = None
 
     @property
     def url(self) -> str:
@@ -272,9 +273,19 @@ class Router:
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=self.config.grace
         )
         await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        self._site = web.SockSite(self._runner, sock)
+        await self._site.start()
 
     async def stop(self) -> None:
+        if self._site is not None:
+            # Close the listener, then let the handlers of connections accepted just before
+            # start: aiohttp's shutdown closes idle connections, but one whose handler has not
+            # begun waiting misses that close, drops its request and hangs until the grace
+            # period ends.
+            await self._site.stop()
+            self._site = None
+            for _ in range(3):
+                await asyncio.sleep(0)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
