@@ -35,7 +35,8 @@ class RolloutSessions:
     Every session runs ``turns`` turns back to back; a turn's output length is
     log-normal (median ``decode_median``, capped), the next prompt adds a tool
     result of 100-600 tokens. ``deadline`` marks turns that took too long, the
-    way a rollout's timeout does."""
+    way a rollout's timeout does; ``episodes`` keeps each session's (start, end)
+    -- an RL step ends when its last episode does."""
 
     sessions: int = 128
     turns: int = 6
@@ -48,6 +49,7 @@ class RolloutSessions:
     deadline: float = 120.0
     max_context: int = 30_000  # a session ends before its context would outgrow the engines
     latencies: list[float] = field(default_factory=list)
+    episodes: dict[str, tuple[float, float]] = field(default_factory=dict)
     _rng: random.Random = field(init=False)
     _state: dict[str, _Session] = field(init=False)
 
@@ -65,7 +67,7 @@ class RolloutSessions:
         for i in range(self.sessions):
             s = _Session(f"rollout-{i}", system + tokens(self._rng, 200), self.turns)
             self._state[s.key] = s
-            t = self._rng.uniform(0, self.spread)
+            t = s.started = self._rng.uniform(0, self.spread)
             out.append(Arrival(t, list(s.context), self._decode(), key=s.key))
         return sorted(out, key=lambda a: a.time)
 
@@ -73,6 +75,7 @@ class RolloutSessions:
         self.latencies.append(now - done.time)
         s = self._state[done.key or ""]
         s.turns_left -= 1
+        self.episodes[s.key] = (s.started, now)  # the end so far
         if s.turns_left <= 0:
             return None
         s.context = s.context + tokens(self._rng, done.max_tokens + self._rng.randint(100, 600))
