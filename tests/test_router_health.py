@@ -235,3 +235,37 @@ async def test_a_slow_health_check_fails_and_recovery_takes_several_good_ones(
     before = flaky.checks
     assert await until(lambda: w0.ready, 5)
     assert flaky.checks - before >= 3  # three good checks in a row before it came back
+
+
+async def test_an_engine_cutting_its_streams_short_is_taken_out(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    cuts = 0
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        nonlocal cuts
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # 200 and a first event: too late to retry elsewhere
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        cuts += 1
+        assert request.transport is not None
+        request.transport.abort()  # then the engine dies mid-stream
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    (good,) = (await start_cluster([EngineConfig()])).servers
+    async with serving(app) as cutting:
+        specs = (*workers(cutting, dialect="vllm", dp_size=1), *workers(good.url))
+        router = await start_router(
+            RouterConfig(workers=specs, breaker_failures=2, breaker_cooldown=60)
+        )
+        ends: Counter[str] = Counter()
+        for _ in range(12):
+            body = {**PROMPT, "stream": True}
+            async with http.post(router.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                ends["cut" if b"closed the stream" in await r.read() else "whole"] += 1
+    assert cuts == 2 and ends == {"cut": 2, "whole": 10}  # two cut streams opened the breaker
+    assert [t.label for t in router.registry.snapshot.pool()] == ["w1"]

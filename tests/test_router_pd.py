@@ -397,3 +397,48 @@ async def test_a_client_leaving_an_sglang_pd_request_aborts_both_legs(
     assert list(decode.abort_requests) == list(prefill.abort_requests) == [rid]
     assert await until(lambda: not any(r.num_running for r in decode.engine.ranks))
     assert all(t.outstanding == 0 for t in dep.router.registry.targets())
+
+
+async def test_a_decode_cutting_its_streams_short_is_taken_out_by_its_breaker(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    mode: PdMode = "vllm-nixl"
+    cluster = await start_cluster([engine(mode, "prefill", 2), engine(mode, "decode", 1)])
+    prefill, good = cluster.servers
+    cuts = 0
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        nonlocal cuts
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(PIECES[0])
+        cuts += 1
+        assert request.transport is not None
+        request.transport.abort()  # the decode engine dies mid-stream
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", decode)
+    async with serving(app) as url:
+        router = await start_router(
+            RouterConfig(
+                pd=mode,
+                workers=(
+                    WorkerSpec(prefill.url, role="prefill"),
+                    WorkerSpec(url, role="decode", dialect="vllm", dp_size=1),
+                    WorkerSpec(good.url, role="decode"),
+                ),
+                breaker_failures=2,
+                breaker_cooldown=60,
+            )
+        )
+        ends: Counter[str] = Counter()
+        for _ in range(12):
+            body = {**PROMPT, "stream": True}
+            async with http.post(router.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                ends["cut" if b"closed the stream" in await r.read() else "whole"] += 1
+    assert cuts == 2 and ends == {"cut": 2, "whole": 10}
+    assert [t.worker.url for t in router.registry.snapshot.pool("decode")] == [good.url]
+    assert len(router.registry.snapshot.pool("prefill")) == 2  # the prefills did nothing wrong

@@ -27,7 +27,7 @@ from dprouter.metrics import RouterMetrics
 from dprouter.parse import BadRequest, Incoming, Kind, parse
 from dprouter.policies import Policy, RequestInfo
 from dprouter.registry import Registry
-from dprouter.relay import HOP_BY_HOP, UpstreamBroke, error, relay
+from dprouter.relay import CUT, HOP_BY_HOP, UpstreamBroke, error, relay
 from dprouter.targets import DialectName, Outstanding, Target, Worker
 
 HOP_AND_AUTH = HOP_BY_HOP | {"authorization"}  # a client's API key is not the engine's
@@ -166,7 +166,9 @@ class Proxy:
                     self.breakers.failed(target)
                     last = f"{target.label}: answer broke off ({exc})"
                     continue
-                if status < 500:
+                if answer.get(CUT):
+                    self.breakers.failed(target)
+                elif status < 500:
                     self.breakers.succeeded(target)
                 return answer
         self.metrics.rejected.labels("upstream_failed").inc()

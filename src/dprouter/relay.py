@@ -3,7 +3,10 @@
 A non-stream answer is read whole, then sent; if reading it fails nothing has
 reached the client yet, so ``UpstreamBroke`` lets the caller try elsewhere.
 An SSE stream is written read by read as it arrives; if the engine breaks it
-off, the client gets an error event (on a line of its own) and ``[DONE]``.
+off, the client gets an error event (on a line of its own) and ``[DONE]``, and
+the answer is marked ``CUT`` so that the caller counts it against the target's
+breaker (an engine that dies mid-stream, OOM-killed say, is as broken as one
+answering 500, though the status already said 200).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 TARGET_HEADER = "x-dprouter-target"
+CUT = web.ResponseKey("dprouter.cut", bool)  # set on a response whose stream broke off
 
 
 class UpstreamBroke(Exception):
@@ -126,6 +130,7 @@ async def _stream(
             if timed_out
             else f"upstream {target.label} closed the stream before it finished"
         )
+        resp[CUT] = True
         gap = b"" if tail == b"\n\n" else b"\n\n"  # end a half-written event first
         await resp.write(gap + sse_error(502, message, "upstream_error"))
     await resp.write_eof()

@@ -28,7 +28,7 @@ from dprouter.pd.pairing import Pairing
 from dprouter.policies import Policy, RequestInfo
 from dprouter.proxy import admit
 from dprouter.registry import Registry
-from dprouter.relay import error
+from dprouter.relay import CUT, error
 from dprouter.targets import Target, Worker
 
 Flow = Callable[[Call, Target, Target], Awaitable[web.StreamResponse]]
@@ -107,7 +107,10 @@ class PairProxy:
                 tried[failed.side].append(failed.target)
                 last = str(failed)
                 continue
-            if answer.status < 500:
+            if answer.get(CUT):  # the decode leg's stream broke off after its headers
+                self.breakers.succeeded(prefill)
+                self.breakers.failed(decode)
+            elif answer.status < 500:
                 self.breakers.succeeded(prefill)
                 self.breakers.succeeded(decode)
             return answer
