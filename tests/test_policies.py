@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from dprouter.policies import POLICIES, PolicyOptions, RequestInfo, make_policy
+from dprouter.policies.consistent_hash import hash64, mix
 from dprouter.registry import Registry
 from dprouter.targets import Outstanding, Target, Worker
 
@@ -92,6 +93,19 @@ def test_consistent_hash_keeps_keys_and_moves_about_one_in_n() -> None:
     moved = [k for k in keys if ch.select(after, RequestInfo(key=k)).label != first[k]]
     assert all(ch.select(after, RequestInfo(key=k)).label == "w2" for k in moved)
     assert 0.5 / 9 < len(moved) / len(keys) < 1.5 / 9  # about 1/n of the keys, n = 9
+
+
+def test_consistent_hash_picks_the_same_winner_in_a_large_pool_as_in_a_small_one() -> None:
+    """Pools from 32 targets up are scored with numpy: the rendezvous winner must be the
+    one the plain scan finds (checked here with the module's own scalar ``mix``)."""
+    _, targets = fleet(*[8] * 16)  # 128 targets
+    ch = make_policy("consistent_hash")
+    seeds = [hash64(t.label) for t in targets]
+    for i in range(500):
+        key = f"session-{i}"
+        k = hash64(key)
+        best = max(range(len(targets)), key=lambda j: mix(k ^ seeds[j]))
+        assert ch.select(targets, RequestInfo(key=key)) is targets[best]
 
 
 def test_manual_sticks_and_remaps_only_when_the_target_leaves() -> None:

@@ -9,6 +9,7 @@ then rotate.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from dprouter.policies.base import PolicyOptions, RequestInfo, rotated
 from dprouter.targets import Target
@@ -25,5 +26,6 @@ class MinTokens:
         return min(rotated(targets, self.start), key=_tokens)
 
 
-def _tokens(t: Target) -> tuple[int, int]:
-    return t.outstanding_tokens, t.worker.outstanding_tokens
+# the target's tokens, then its engine's: read at C speed (a Python key function costs
+# about three times as much per target, which shows at thousands of targets)
+_tokens = attrgetter("outstanding_tokens", "worker.outstanding_tokens")
