@@ -442,3 +442,31 @@ async def test_a_decode_cutting_its_streams_short_is_taken_out_by_its_breaker(
     assert cuts == 2 and ends == {"cut": 2, "whole": 10}
     assert [t.worker.url for t in router.registry.snapshot.pool("decode")] == [good.url]
     assert len(router.registry.snapshot.pool("prefill")) == 2  # the prefills did nothing wrong
+
+
+@pytest.mark.parametrize("mode", ["vllm-nixl", "sglang"])
+async def test_a_hanging_prefill_is_passed_over_after_the_first_byte_timeout(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    mode: PdMode,
+) -> None:
+    dep = await deploy(
+        start_cluster,
+        start_router,
+        mode,
+        (2, 1),
+        (1, 2),
+        faults=Faults(hang=True),  # p0 accepts and never answers
+        first_byte_timeout=0.3,
+        breaker_failures=2,
+        breaker_cooldown=60,
+    )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    pairs = await served(http, dep.router.url, 6)
+    assert {p for p, _ in pairs} == {"p1"}  # every request answered, by the other prefill
+    assert loop.time() - started < 5  # not held until --read-timeout (600 s)
+    async with http.get(dep.router.url + "/metrics") as r:
+        text = await r.text()
+    assert 'cause="no_answer",dp_rank="",role="prefill",worker="p0"} 2.0' in text  # then out

@@ -60,6 +60,7 @@ class Call:
     metrics: RouterMetrics
     unreachable: Any  # Callable[[Worker], None]: a refused connection takes a worker out
     aborter: Aborter  # SGLang: a client that leaves aborts its request on the engines
+    first_byte: float = 0.0  # seconds a leg's answer may take to start; 0: no such limit
 
     @property
     def body(self) -> dict[str, Any]:
@@ -81,7 +82,8 @@ class Call:
         dialects.write_rank(target.worker.dialect or "vllm", target.rank, sent, payload)
         url = target.worker.url + self.request.path_qs
         try:
-            resp = await self.session.post(url, data=orjson.dumps(payload), headers=sent)
+            async with asyncio.timeout(self.first_byte or None):
+                resp = await self.session.post(url, data=orjson.dumps(payload), headers=sent)
         except aiohttp.ClientConnectorError as exc:
             self.gone(target.worker)
             raise PairFailed(side, target, "connect", f"cannot connect ({exc.os_error})") from exc

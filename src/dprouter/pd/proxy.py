@@ -86,6 +86,7 @@ class PairProxy:
             self.metrics,
             self.unreachable,
             self.aborter,
+            self.config.first_byte_timeout,
         )
         info = RequestInfo(incoming.key, incoming.text, incoming.tokens, started)
         tried: dict[Side, list[Target]] = {"prefill": [], "decode": []}
