@@ -326,3 +326,34 @@ async def test_unknown_paths_and_methods_answer_in_openai_shape(
     async with http.get(router.url + "/v1/completions") as r:
         assert r.status == 405 and r.headers["Allow"] == "POST"
         assert (await r.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_cookie_an_engine_sets_reaches_its_client_and_no_other(
+    start_router: StartRouter,
+) -> None:
+    """The router is shared by many clients: it must keep no cookie jar of its own."""
+    seen: list[str | None] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(request.headers.get("Cookie"))
+        resp = web.json_response({"choices": [{"text": "ok"}]})
+        resp.set_cookie("engine_session", f"for-request-{len(seen)}")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serving(app) as url:
+        # by host name: aiohttp's cookie jar ignores cookies from bare IP addresses
+        named = url.replace("127.0.0.1", "localhost")
+        router = await start_router(RouterConfig(workers=workers(named, dialect="vllm", dp_size=1)))
+        answers = []
+        async with aiohttp.ClientSession() as http:
+            for headers in ({}, {}, {"Cookie": "mine=1"}):  # three clients, by their cookies
+                async with http.post(
+                    router.url + "/v1/completions", json=PROMPT, headers=headers
+                ) as r:
+                    assert r.status == 200
+                    answers.append(r.cookies["engine_session"].value)
+    assert answers == ["for-request-1", "for-request-2", "for-request-3"]  # each its own
+    assert seen == [None, None, "mine=1"]  # a client's cookie goes through, nobody else's

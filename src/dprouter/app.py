@@ -193,7 +193,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         sock_connect=config.connect_timeout,
         sock_read=config.read_timeout or None,
     )
-    session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    # no cookie jar: the session serves every client, so a cookie an engine sets must go to
+    # the client it answered (the relay passes Set-Cookie on) and never out with another's
+    session = aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
     if config.pd == "vllm-moriio":
         parts.registration = Registration(
             parts.registry, config.registration, config.heartbeat_timeout, parts.monitor.forget
