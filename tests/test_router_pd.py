@@ -226,9 +226,13 @@ async def test_streamed_decode_passes_through_byte_exact(
         )
         for _ in range(2):
             async with http.post(
-                router.url + "/v1/completions", json={**PROMPT, "stream": True}
+                router.url + "/v1/completions",
+                json={**PROMPT, "stream": True},
+                headers={"Accept-Encoding": "gzip"},
             ) as r:
                 assert await r.read() == b"".join(PIECES)
+    # the router reads the prefill's answer itself: it asks for it uncompressed
+    assert all(rec.headers["Accept-Encoding"] == "identity" for rec in prefill.received)
     for body in seen:
         if mode == "sglang":
             assert body["bootstrap_room"] % 2 == body["disagg_prefill_dp_rank"]

@@ -357,3 +357,27 @@ async def test_a_cookie_an_engine_sets_reaches_its_client_and_no_other(
                     answers.append(r.cookies["engine_session"].value)
     assert answers == ["for-request-1", "for-request-2", "for-request-3"]  # each its own
     assert seen == [None, None, "mine=1"]  # a client's cookie goes through, nobody else's
+
+
+async def test_the_engine_sees_the_clients_accept_encoding_not_one_of_the_routers(
+    start_router: StartRouter,
+) -> None:
+    """Answers pass through undecoded, so only a client that asked may get them compressed."""
+    seen: list[str | None] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(request.headers.get("Accept-Encoding"))
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serving(app) as url:
+        router = await start_router(RouterConfig(workers=workers(url, dialect="vllm", dp_size=1)))
+        async with aiohttp.ClientSession(skip_auto_headers=["Accept-Encoding"]) as http:
+            for headers in ({}, {"Accept-Encoding": "gzip"}):
+                async with http.post(
+                    router.url + "/v1/completions", json=PROMPT, headers=headers
+                ) as r:
+                    assert r.status == 200
+    assert seen == [None, "gzip"]

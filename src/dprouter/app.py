@@ -193,13 +193,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         sock_connect=config.connect_timeout,
         sock_read=config.read_timeout or None,
     )
-    # no cookie jar: the session serves every client, so a cookie an engine sets must go to
-    # the client it answered (the relay passes Set-Cookie on) and never out with another's
+    # The session serves every client. No cookie jar: a cookie an engine sets goes to the
+    # client it answered (the relay passes Set-Cookie on), never out with another's request.
+    # No Accept-Encoding of its own: answers pass through undecoded, so an engine may
+    # compress only for a client that asked.
     session = aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("Accept-Encoding",),
     )
     if config.pd == "vllm-moriio":
         parts.registration = Registration(

@@ -79,6 +79,9 @@ class Call:
         """Post one leg with the target's rank in its dialect; a connection that fails or a
         retryable status raises ``PairFailed``; any other answer is returned."""
         sent, payload = {**self.headers, **(headers or {})}, dict(body)
+        if side == "prefill":  # its answer is read here, as JSON: not compressed
+            sent = {k: v for k, v in sent.items() if k.lower() != "accept-encoding"}
+            sent["Accept-Encoding"] = "identity"
         dialects.write_rank(target.worker.dialect or "vllm", target.rank, sent, payload)
         url = target.worker.url + self.request.path_qs
         try:
