@@ -49,7 +49,7 @@ def run(quick: bool, out: Path) -> Result:
     ]
     bars(
         out / "dp_attention.png",
-        [n.split(":")[-1].strip() or n for n in names],
+        ["TP-only", "not DP-aware", *(n.replace(":", "") for n in names[2:])],
         {
             "RL step time / TP-only": [found[n]["rl_step"] for n in names],
             "forward step / TP-only": [found[n]["forward_step"] for n in names],
