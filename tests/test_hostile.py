@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -42,8 +43,12 @@ async def canary() -> AsyncIterator[tuple[str, list[str]]]:
 
 
 async def test_malformed_and_oversize_requests_are_refused_and_serving_goes_on(
-    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="aiohttp.server")
     (engine,) = (await start_cluster([EngineConfig()])).servers
     router = await start_router(RouterConfig(workers=workers(engine.url)))
     body = b'{"prompt": "x"}'
@@ -60,6 +65,12 @@ async def test_malformed_and_oversize_requests_are_refused_and_serving_goes_on(
     assert engine.generation_requests == 0  # none of it reached the engine
     async with http.post(router.url + "/v1/completions", json={"prompt": "fine"}) as r:
         assert r.status == 200
+    # logged as the client's fault, one line each, not as the router's error with a trace
+    logged = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert not [r for r in logged if r.levelno >= logging.ERROR]
+    assert not [r for r in logged if r.levelno >= logging.WARNING and r.exc_info]
+    warned = [r.getMessage() for r in logged if r.levelno == logging.WARNING]
+    assert len(warned) == 3 and all(m.startswith("malformed request from ") for m in warned)
 
 
 async def test_no_client_input_makes_the_router_connect_elsewhere(

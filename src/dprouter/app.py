@@ -20,6 +20,7 @@ from dprouter.admin import admin_routes, worker_from_spec
 from dprouter.admission import Admission, AdmissionOptions
 from dprouter.breaker import BreakerOptions, Breakers
 from dprouter.config import RouterConfig, validate
+from dprouter.httplog import quiet_malformed
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
@@ -275,6 +276,7 @@ class Router:
         for warning in (*self.config.warnings, check_backlog(self.config.backlog)):
             if warning:
                 log.warning(warning)
+        quiet_malformed()
         sock = bind(self.config.host, self.port, self.config.backlog)
         self.port = sock.getsockname()[1]
         # a client that leaves cancels its handler, which closes the upstream request;

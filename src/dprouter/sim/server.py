@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from dprouter.httplog import quiet_malformed
 from dprouter.net import bind, url_of
 from dprouter.sim import endpoints
 from dprouter.sim.config import EngineConfig
@@ -99,6 +100,7 @@ class SimServer:
         return app
 
     async def start(self) -> None:
+        quiet_malformed()  # peers probe with HTTP/2 prior knowledge: one line, not a trace
         self.engine = Engine(self.config, self.engine_id)
         self.runner = EngineRunner(self.engine)
         self.runner.start()
