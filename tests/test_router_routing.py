@@ -198,6 +198,17 @@ async def test_client_authorization_reaches_engines_only_when_configured(
     ]
 
 
+async def test_a_clients_expect_100_continue_is_answered_by_the_router_not_forwarded(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    async with http.post(router.url + "/v1/completions", json=PROMPT, expect100=True) as r:
+        assert r.status == 200
+    (rec,) = engine.received
+    assert "Expect" not in rec.headers  # the router holds the whole body: nothing to expect
+
+
 async def test_round_robin_keeps_a_counter_per_pool(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:

@@ -34,6 +34,7 @@ HOP_BY_HOP = frozenset(
         "upgrade",
         "content-length",
         "host",
+        "expect",  # 100-continue is between the client and the router, which reads the body
     }
 )
 TARGET_HEADER = "x-dprouter-target"
