@@ -339,6 +339,7 @@ async def test_a_cookie_an_engine_sets_reaches_its_client_and_no_other(
         seen.append(request.headers.get("Cookie"))
         resp = web.json_response({"choices": [{"text": "ok"}]})
         resp.set_cookie("engine_session", f"for-request-{len(seen)}")
+        resp.set_cookie("engine_affinity", "a")  # a second Set-Cookie header
         return resp
 
     app = web.Application()
@@ -353,7 +354,7 @@ async def test_a_cookie_an_engine_sets_reaches_its_client_and_no_other(
                 async with http.post(
                     router.url + "/v1/completions", json=PROMPT, headers=headers
                 ) as r:
-                    assert r.status == 200
+                    assert r.status == 200 and len(r.headers.getall("Set-Cookie")) == 2
                     answers.append(r.cookies["engine_session"].value)
     assert answers == ["for-request-1", "for-request-2", "for-request-3"]  # each its own
     assert seen == [None, None, "mine=1"]  # a client's cookie goes through, nobody else's

@@ -12,11 +12,11 @@ answering 500, though the status already said 200).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from dprouter.metrics import TargetSeries
 from dprouter.targets import Target
@@ -75,9 +75,10 @@ async def relay(
 ) -> web.StreamResponse:
     """Answer ``request`` with ``upstream``; always closes or releases ``upstream``."""
     loop = asyncio.get_running_loop()
-    headers: dict[str, Any] = {
-        k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP
-    }
+    # a multidict keeps repeated headers (two Set-Cookie, say) that a dict would merge away
+    headers = CIMultiDict(
+        (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP
+    )
     headers[TARGET_HEADER] = target.label
     headers.update(extra or {})
     done = False
