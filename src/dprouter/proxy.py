@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import aiohttp
 import orjson
@@ -96,7 +97,7 @@ class Proxy:
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
         admitted = await admit(request, kind, self.config, self.metrics)
-        if isinstance(admitted, web.Response):
+        if not isinstance(admitted, tuple):  # an error answer (tuple: no ABC check)
             return admitted
         raw, incoming, headers, pinned, changed = admitted
         pool = self._pool(kind, incoming, pinned)
@@ -105,6 +106,13 @@ class Proxy:
         tried: list[Target] = []
         last = "no attempt was made"
         refused = 0  # attempts whose worker refused the connection
+        info = RequestInfo(
+            incoming.key,
+            incoming.text,
+            incoming.tokens,
+            started,
+            (kind == "generate", incoming.model, pinned),
+        )
         for attempt in range(self.config.attempts):
             candidates = pool if not tried else tuple(t for t in pool if t not in tried)
             if not candidates:
@@ -112,20 +120,16 @@ class Proxy:
             if attempt:  # capped exponential backoff with jitter: a struggling fleet breathes
                 wait = min(self.config.retry_backoff * 2 ** (attempt - 1), RETRY_BACKOFF_MAX)
                 await asyncio.sleep(wait * self.jitter.uniform(0.5, 1.0))
-            info = RequestInfo(
-                incoming.key,
-                incoming.text,
-                incoming.tokens,
-                started,
-                (kind == "generate", incoming.model, pinned),
-                attempt,
-            )
+            if attempt:
+                info = replace(info, attempt=attempt)
             target = self.policy.select(candidates, info)
             tried.append(target)
             series = self.metrics.series(target)
             last_chance = attempt + 1 == self.config.attempts or len(candidates) == 1
-            sent, body = dict(headers), dict(incoming.body)  # each attempt writes its own rank
             dialect = target.worker.dialect or "vllm"
+            # each attempt writes its own rank (vLLM's in a header, SGLang's in the body)
+            sent = dict(headers)
+            body = dict(incoming.body) if dialect == "sglang" else incoming.body
             rid, named = ensure_rid(body) if dialect == "sglang" else (None, False)
             if dialects.write_rank(dialect, target.rank, sent, body) or changed or named:
                 data = orjson.dumps(body)

@@ -123,7 +123,7 @@ async def _stream(
                 series.first_byte.observe(loop.time() - started)
                 first = False
             await resp.write(chunk)
-            tail = (tail + chunk)[-2:]
+            tail = chunk[-2:] if len(chunk) > 1 else (tail + chunk)[-2:]
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         timed_out = isinstance(exc, TimeoutError)
         series.failed("stream_timeout" if timed_out else "stream_cut")
