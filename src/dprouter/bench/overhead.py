@@ -1,9 +1,10 @@
 """Scenario 5, overhead: what a router costs in front of a trivial, fast backend.
 
-Each router runs alone in its own process pinned to core 0; the backend and
-this load generator share core 1. Closed-loop load at 64 and 512
-connections (plain requests) and 64 connections (16-chunk streams), one
-measurement after another, side by side in one run. A bare aiohttp proxy
+Each router runs in its own process pinned to core 0; the backend and this
+load generator share core 1. Closed-loop load at 64 and 512 connections
+(plain requests) and 64 connections (16-chunk streams), one measurement
+after another, in interleaved rounds: on a shared, noisy machine a slow
+spell then falls on every router alike, so the ratios hold. A bare aiohttp proxy
 (``bench/bare.py``) runs too: the floor of the stack dprouter is built on.
 Router CPU is read from /proc (the whole process tree), peak memory is VmHWM.
 """
@@ -30,6 +31,7 @@ LOADS = (
 )
 ROUTER_CORE, CLIENT_CORE = "0", {1}
 BARE = "bare aiohttp proxy"  # dprouter's HTTP stack with none of its logic: the floor
+ROUNDS = 4  # interleaved rounds per full run: the machine's noise falls on every router alike
 
 
 @contextlib.contextmanager
@@ -75,33 +77,56 @@ async def start_router(kind: str, backend: str) -> tuple[Proc | None, str]:
     return proc, url
 
 
-async def measure(kinds: list[str], seconds: float) -> dict[str, dict[str, dict[str, float]]]:
+async def measure(
+    kinds: list[str], seconds: float, rounds: int = 1
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Every router up at once; ``rounds`` rounds, each measuring every router's loads
+    in turn for ``seconds`` / ``rounds``, pooled. Interleaved so that a noisy spell of a
+    shared machine falls on all of them alike, not on whichever ran then."""
     backend_port = free_port()
     backend = Proc(
         [sys.executable, "-m", "dprouter.bench.backend", "--port", str(backend_port)], cpus="1"
     )
     await backend.start("ready")
     backend_url = f"http://127.0.0.1:{backend_port}"
-    found: dict[str, dict[str, dict[str, float]]] = {}
+    routers: dict[str, tuple[Proc | None, str]] = {}
+    pooled = {(k, name): Outcome() for k in kinds for name, _, _ in LOADS}
+    cpu: dict[tuple[str, str], list[float]] = {key: [] for key in pooled}
     try:
         for kind in kinds:
-            proc, url = await start_router(kind, backend_url)
-            found[kind] = {}
-            try:
-                with pinned(CLIENT_CORE):
-                    await closed_loop(url, 16, min(seconds, 2.0))  # warm up
+            routers[kind] = await start_router(kind, backend_url)
+        with pinned(CLIENT_CORE):
+            for _, url in routers.values():
+                await closed_loop(url, 16, min(seconds, 2.0))  # warm up
+            for _ in range(rounds):
+                for kind, (proc, url) in routers.items():
                     for name, conns, stream in LOADS:
                         cpu0 = cpu_seconds(proc.pid) if proc else 0.0
-                        outcome = await closed_loop(url, conns, seconds, stream)
-                        cpu = (cpu_seconds(proc.pid) - cpu0) if proc else 0.0
-                        found[kind][name] = summary(outcome, cpu)
-                found[kind]["peak_rss_mb"] = {"value": peak_rss_mb(proc.pid) if proc else 0.0}
-            finally:
-                if proc is not None:
-                    await proc.stop()
+                        o = await closed_loop(url, conns, seconds / rounds, stream)
+                        used = (cpu_seconds(proc.pid) - cpu0) if proc else 0.0
+                        cpu[kind, name].append(used)
+                        merge(pooled[kind, name], o)
+        found: dict[str, dict[str, dict[str, float]]] = {}
+        for kind, (proc, _) in routers.items():
+            found[kind] = {
+                name: summary(pooled[kind, name], sum(cpu[kind, name])) for name, _, _ in LOADS
+            }
+            found[kind]["peak_rss_mb"] = {"value": peak_rss_mb(proc.pid) if proc else 0.0}
+        return found
     finally:
+        for proc, _ in routers.values():
+            if proc is not None:
+                await proc.stop()
         await backend.stop()
-    return found
+
+
+def merge(into: Outcome, o: Outcome) -> None:
+    """Add one round's measurement to the pooled one."""
+    into.answered += o.answered
+    into.errors.update(o.errors)
+    into.latencies += o.latencies
+    into.chunks += o.chunks
+    into.seconds += o.seconds
 
 
 def summary(o: Outcome, cpu: float) -> dict[str, float]:
@@ -118,7 +143,7 @@ def summary(o: Outcome, cpu: float) -> dict[str, float]:
 
 def run(quick: bool, out: Path) -> Result:
     kinds = ["direct", "dprouter", BARE, *peers.available()]
-    found = asyncio.run(measure(kinds, 1.5 if quick else 10.0))
+    found = asyncio.run(measure(kinds, 1.5 if quick else 12.0, 1 if quick else ROUNDS))
     rows: list[list[Cell]] = []
     for kind, loads in found.items():
         for name, _, _ in LOADS:
@@ -166,8 +191,11 @@ def run(quick: bool, out: Path) -> Result:
         scenario="overhead",
         title="5. Overhead: a trivial backend, direct and through each router",
         method=(
-            "Router alone on core 0 (taskset), trivial aiohttp backend and this closed-loop "
-            f"load generator on core 1; {1.5 if quick else 10} s per load after a warm-up; "
+            "Every router up at once on core 0 (taskset; the others idle meanwhile), trivial "
+            "aiohttp backend and this closed-loop load generator on core 1; per router and "
+            f"load {1.5 if quick else 12} s in all after a warm-up, in "
+            f"{1 if quick else ROUNDS} interleaved round(s) (router after router, then again), "
+            "pooled; "
             "added p50 = router p50 - direct p50; CPU from /proc (process tree) per answered "
             "request; peak RSS = VmHWM. Every request checked for status 200."
         ),
