@@ -143,7 +143,7 @@ def summary(o: Outcome, cpu: float) -> dict[str, float]:
 
 def run(quick: bool, out: Path) -> Result:
     kinds = ["direct", "dprouter", BARE, *peers.available()]
-    found = asyncio.run(measure(kinds, 1.5 if quick else 12.0, 1 if quick else ROUNDS))
+    found = asyncio.run(measure(kinds, 1.0 if quick else 12.0, 1 if quick else ROUNDS))
     rows: list[list[Cell]] = []
     for kind, loads in found.items():
         for name, _, _ in LOADS:
@@ -193,7 +193,7 @@ def run(quick: bool, out: Path) -> Result:
         method=(
             "Every router up at once on core 0 (taskset; the others idle meanwhile), trivial "
             "aiohttp backend and this closed-loop load generator on core 1; per router and "
-            f"load {1.5 if quick else 12} s in all after a warm-up, in "
+            f"load {1 if quick else 12} s in all after a warm-up, in "
             f"{1 if quick else ROUNDS} interleaved round(s) (router after router, then again), "
             "pooled; "
             "added p50 = router p50 - direct p50; CPU from /proc (process tree) per answered "
