@@ -85,6 +85,34 @@ def workers(*urls: str, **keys: object) -> tuple[WorkerSpec, ...]:
     return tuple(WorkerSpec(url, **keys) for url in urls)  # type: ignore[arg-type]
 
 
+Answer = Callable[[web.Request], Coroutine[Any, Any, web.StreamResponse]]
+
+
+def completions_engine(handler: Answer) -> web.Application:
+    """A stand-in engine: ``handler`` answers ``POST /v1/completions``."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    return app
+
+
+class CutsStreams:
+    """A stand-in engine that answers 200, sends ``first``, then dies mid-stream."""
+
+    def __init__(self, first: bytes) -> None:
+        self.first = first
+        self.cuts = 0
+
+    async def answer(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # 200 and a first event: too late to retry elsewhere
+        await resp.write(self.first)
+        self.cuts += 1
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+
 @asynccontextmanager
 async def serving(app: web.Application) -> AsyncIterator[str]:
     """Serve a small stand-in upstream on a free loopback port; yields its URL."""

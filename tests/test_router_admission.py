@@ -12,7 +12,7 @@ from aiohttp import web
 
 from dprouter.admission import Admission, AdmissionOptions
 from dprouter.config import RouterConfig
-from tests.conftest import StartRouter, serving, until, workers
+from tests.conftest import StartRouter, completions_engine, serving, until, workers
 
 
 @dataclass
@@ -33,8 +33,7 @@ async def held() -> AsyncIterator[Held]:
         await state.release.wait()
         return web.json_response({"choices": [{"text": "ok"}]})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
+    app = completions_engine(complete)
     async with serving(app) as url:
         state.url = url
         yield state

@@ -13,7 +13,16 @@ from aiohttp import web
 
 from dprouter.config import RouterConfig
 from dprouter.sim.config import EngineConfig, Faults
-from tests.conftest import StartCluster, StartRouter, metric_sum, serving, until, workers
+from tests.conftest import (
+    CutsStreams,
+    StartCluster,
+    StartRouter,
+    completions_engine,
+    metric_sum,
+    serving,
+    until,
+    workers,
+)
 
 PROMPT = {"prompt": "are you well", "max_tokens": 2}
 
@@ -80,8 +89,7 @@ async def steady() -> AsyncIterator[str]:
         await request.read()
         return web.json_response({"choices": [{"text": "ok"}]}, headers={"X-From": "steady"})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
+    app = completions_engine(complete)
     async with serving(app) as url:
         yield url
 
@@ -180,8 +188,7 @@ async def test_retry_after_rests_the_target_that_asked_for_it(
             return web.json_response({"error": "busy"}, status=429, headers={"Retry-After": "1"})
         return web.json_response({"choices": [{"text": "ok"}]}, headers={"X-From": "busy"})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
+    app = completions_engine(complete)
     async with serving(app) as url:
         router = await start_router(
             RouterConfig(workers=workers(url, steady, dialect="vllm", dp_size=1))
@@ -240,21 +247,8 @@ async def test_a_slow_health_check_fails_and_recovery_takes_several_good_ones(
 async def test_an_engine_cutting_its_streams_short_is_taken_out(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    cuts = 0
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        nonlocal cuts
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)  # 200 and a first event: too late to retry elsewhere
-        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
-        cuts += 1
-        assert request.transport is not None
-        request.transport.abort()  # then the engine dies mid-stream
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
+    engine = CutsStreams(b'data: {"choices": [{"text": "a"}]}\n\n')
+    app = completions_engine(engine.answer)
     (good,) = (await start_cluster([EngineConfig()])).servers
     async with serving(app) as cutting:
         specs = (*workers(cutting, dialect="vllm", dp_size=1), *workers(good.url))
@@ -267,5 +261,5 @@ async def test_an_engine_cutting_its_streams_short_is_taken_out(
             async with http.post(router.url + "/v1/completions", json=body) as r:
                 assert r.status == 200
                 ends["cut" if b"closed the stream" in await r.read() else "whole"] += 1
-    assert cuts == 2 and ends == {"cut": 2, "whole": 10}  # two cut streams opened the breaker
+    assert engine.cuts == 2 and ends == {"cut": 2, "whole": 10}  # two cuts opened the breaker
     assert [t.label for t in router.registry.snapshot.pool()] == ["w1"]

@@ -18,7 +18,14 @@ from dprouter.app import Router
 from dprouter.config import RouterConfig, WorkerSpec
 from dprouter.sim.config import EngineConfig, Faults, PdConfig, PdMode
 from dprouter.sim.server import SimServer
-from tests.conftest import StartCluster, StartRouter, serving, until
+from tests.conftest import (
+    CutsStreams,
+    StartCluster,
+    StartRouter,
+    completions_engine,
+    serving,
+    until,
+)
 from tests.test_router_proxy import PIECES
 
 Shape = tuple[int, int]  # (instances, dp_size)
@@ -211,8 +218,7 @@ async def test_streamed_decode_passes_through_byte_exact(
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", decode)
+    app = completions_engine(decode)
     dialect: Literal["vllm", "sglang"] = "sglang" if mode == "sglang" else "vllm"
     async with serving(app) as url:
         router = await start_router(
@@ -409,21 +415,8 @@ async def test_a_decode_cutting_its_streams_short_is_taken_out_by_its_breaker(
     mode: PdMode = "vllm-nixl"
     cluster = await start_cluster([engine(mode, "prefill", 2), engine(mode, "decode", 1)])
     prefill, good = cluster.servers
-    cuts = 0
-
-    async def decode(request: web.Request) -> web.StreamResponse:
-        nonlocal cuts
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(PIECES[0])
-        cuts += 1
-        assert request.transport is not None
-        request.transport.abort()  # the decode engine dies mid-stream
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", decode)
+    cutting = CutsStreams(PIECES[0])  # the decode engine dies mid-stream
+    app = completions_engine(cutting.answer)
     async with serving(app) as url:
         router = await start_router(
             RouterConfig(
@@ -443,7 +436,7 @@ async def test_a_decode_cutting_its_streams_short_is_taken_out_by_its_breaker(
             async with http.post(router.url + "/v1/completions", json=body) as r:
                 assert r.status == 200
                 ends["cut" if b"closed the stream" in await r.read() else "whole"] += 1
-    assert cuts == 2 and ends == {"cut": 2, "whole": 10}
+    assert cutting.cuts == 2 and ends == {"cut": 2, "whole": 10}
     assert [t.worker.url for t in router.registry.snapshot.pool("decode")] == [good.url]
     assert len(router.registry.snapshot.pool("prefill")) == 2  # the prefills did nothing wrong
 

@@ -12,7 +12,14 @@ from aiohttp import web
 from dprouter.config import RouterConfig
 from dprouter.net import bind, url_of
 from dprouter.sim.config import EngineConfig, Faults
-from tests.conftest import StartCluster, StartRouter, metric_sum, serving, workers
+from tests.conftest import (
+    StartCluster,
+    StartRouter,
+    completions_engine,
+    metric_sum,
+    serving,
+    workers,
+)
 from tests.test_sim_vllm import sse_events
 
 PROMPT = {"prompt": "pass me through", "max_tokens": 3}
@@ -38,8 +45,7 @@ async def odd_upstream() -> AsyncIterator[tuple[str, asyncio.Event]]:
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", stream)
+    app = completions_engine(stream)
     async with serving(app) as url:
         yield url, release
 
@@ -279,8 +285,7 @@ async def misbehaving() -> AsyncIterator[str]:
         request.transport.abort()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
+    app = completions_engine(completions)
     async with serving(app) as url:
         yield url
 
@@ -342,8 +347,7 @@ async def test_a_cookie_an_engine_sets_reaches_its_client_and_no_other(
         resp.set_cookie("engine_affinity", "a")  # a second Set-Cookie header
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
+    app = completions_engine(completions)
     async with serving(app) as url:
         # by host name: aiohttp's cookie jar ignores cookies from bare IP addresses
         named = url.replace("127.0.0.1", "localhost")
@@ -371,8 +375,7 @@ async def test_the_engine_sees_the_clients_accept_encoding_not_one_of_the_router
         seen.append(request.headers.get("Accept-Encoding"))
         return web.json_response({"choices": [{"text": "ok"}]})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
+    app = completions_engine(completions)
     async with serving(app) as url:
         router = await start_router(RouterConfig(workers=workers(url, dialect="vllm", dp_size=1)))
         async with aiohttp.ClientSession(skip_auto_headers=["Accept-Encoding"]) as http:

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import serving
+from tests.conftest import completions_engine, serving
 from tests.test_cli import _serve, listening
 
 CHUNKS = 10
@@ -37,8 +37,7 @@ async def slow_stream() -> AsyncIterator[tuple[str, asyncio.Event]]:
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", stream)
+    app = completions_engine(stream)
     async with serving(app) as url:
         yield url, started
 
