@@ -131,12 +131,9 @@ class Outstanding:
         self.target = target
         self.tokens = tokens
 
-    # on every request, twice: the fields are set directly (the property setter and max()
-    # cost more than the rest of the bookkeeping)
     def __enter__(self) -> Target:
         t = self.target
-        n = t._outstanding = t._outstanding + 1
-        t.load = n if n > t._reported else t._reported
+        t.outstanding += 1
         t.outstanding_tokens += self.tokens
         t.worker.outstanding += 1
         t.worker.outstanding_tokens += self.tokens
@@ -144,8 +141,7 @@ class Outstanding:
 
     def __exit__(self, *exc: object) -> None:
         t = self.target
-        n = t._outstanding = t._outstanding - 1
-        t.load = n if n > t._reported else t._reported
+        t.outstanding -= 1
         t.outstanding_tokens -= self.tokens
         t.worker.outstanding -= 1
         t.worker.outstanding_tokens -= self.tokens

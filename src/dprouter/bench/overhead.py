@@ -91,7 +91,7 @@ async def measure(
     backend_url = f"http://127.0.0.1:{backend_port}"
     routers: dict[str, tuple[Proc | None, str]] = {}
     pooled = {(k, name): Outcome() for k in kinds for name, _, _ in LOADS}
-    cpu: dict[tuple[str, str], list[float]] = {key: [] for key in pooled}
+    cpu: dict[tuple[str, str], float] = dict.fromkeys(pooled, 0.0)  # seconds, pooled too
     try:
         for kind in kinds:
             routers[kind] = await start_router(kind, backend_url)
@@ -104,12 +104,12 @@ async def measure(
                         cpu0 = cpu_seconds(proc.pid) if proc else 0.0
                         o = await closed_loop(url, conns, seconds / rounds, stream)
                         used = (cpu_seconds(proc.pid) - cpu0) if proc else 0.0
-                        cpu[kind, name].append(used)
+                        cpu[kind, name] += used
                         merge(pooled[kind, name], o)
         found: dict[str, dict[str, dict[str, float]]] = {}
         for kind, (proc, _) in routers.items():
             found[kind] = {
-                name: summary(pooled[kind, name], sum(cpu[kind, name])) for name, _, _ in LOADS
+                name: summary(pooled[kind, name], cpu[kind, name]) for name, _, _ in LOADS
             }
             found[kind]["peak_rss_mb"] = {"value": peak_rss_mb(proc.pid) if proc else 0.0}
         return found
