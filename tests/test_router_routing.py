@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -196,6 +197,20 @@ async def test_client_authorization_reaches_engines_only_when_configured(
         None,
         "Bearer client-key",
     ]
+
+
+async def test_a_header_the_client_repeats_reaches_the_engine_repeated(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    sent = [("X-Trace", "a"), ("X-Trace", "b"), ("Content-Type", "application/json")]
+    async with http.post(
+        router.url + "/v1/completions", data=orjson.dumps(PROMPT), headers=sent
+    ) as r:
+        assert r.status == 200
+    (rec,) = engine.received
+    assert rec.headers.getall("X-Trace") == ["a", "b"]
 
 
 async def test_a_clients_expect_100_continue_is_answered_by_the_router_not_forwarded(

@@ -39,7 +39,8 @@ def client_rank(headers: Mapping[str, str], body: Mapping[str, Any]) -> int | No
 def strip_client_rank(headers: MutableMapping[str, str], body: dict[str, Any]) -> bool:
     """Drop rank headers and fields a client sent; True when the body changed."""
     for name in [h for h in headers if h.lower() in RANK_HEADERS]:
-        del headers[name]
+        if name in headers:  # a repeated name: the first del drops every value
+            del headers[name]
     changed = False
     for name in RANK_FIELDS:
         if name in body:

@@ -19,6 +19,7 @@ from dataclasses import replace
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from dprouter import dialects
 from dprouter.breaker import Breakers
@@ -45,7 +46,7 @@ def retry_after(value: str | None) -> float:
     return min(float(value), REST_MAX)
 
 
-Admitted = tuple[bytes, Incoming, dict[str, str], int | None, bool]
+Admitted = tuple[bytes, Incoming, CIMultiDict[str], int | None, bool]
 
 
 async def admit(
@@ -57,7 +58,10 @@ async def admit(
         raw = await request.read()
         incoming = parse(raw, kind, request.headers)
         dropped = HOP_BY_HOP if config.forward_authorization else HOP_AND_AUTH
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in dropped}
+        # a multidict: a header the client repeated goes on repeated, as it came
+        headers = CIMultiDict(
+            (k, v) for k, v in request.headers.items() if k.lower() not in dropped
+        )
         if config.trust_client_rank:
             return raw, incoming, headers, dialects.client_rank(headers, incoming.body), False
         return raw, incoming, headers, None, dialects.strip_client_rank(headers, incoming.body)
@@ -128,7 +132,7 @@ class Proxy:
             last_chance = attempt + 1 == self.config.attempts or len(candidates) == 1
             dialect = target.worker.dialect or "vllm"
             # each attempt writes its own rank (vLLM's in a header, SGLang's in the body)
-            sent = dict(headers)
+            sent = headers.copy()
             body = dict(incoming.body) if dialect == "sglang" else incoming.body
             rid, named = ensure_rid(body) if dialect == "sglang" else (None, False)
             if dialects.write_rank(dialect, target.rank, sent, body) or changed or named:

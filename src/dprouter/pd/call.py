@@ -10,6 +10,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from dprouter import dialects
 from dprouter.cancel import Aborter
@@ -54,7 +55,7 @@ class Call:
 
     request: web.Request
     incoming: Incoming
-    headers: dict[str, str]  # to forward (hop-by-hop, Authorization and client ranks gone)
+    headers: CIMultiDict[str]  # to forward (hop-by-hop, Authorization and client ranks gone)
     started: float
     session: aiohttp.ClientSession
     metrics: RouterMetrics
@@ -78,9 +79,9 @@ class Call:
     ) -> aiohttp.ClientResponse:
         """Post one leg with the target's rank in its dialect; a connection that fails or a
         retryable status raises ``PairFailed``; any other answer is returned."""
-        sent, payload = {**self.headers, **(headers or {})}, dict(body)
+        sent, payload = self.headers.copy(), dict(body)
+        sent.update(headers or {})
         if side == "prefill":  # its answer is read here, as JSON: not compressed
-            sent = {k: v for k, v in sent.items() if k.lower() != "accept-encoding"}
             sent["Accept-Encoding"] = "identity"
         dialects.write_rank(target.worker.dialect or "vllm", target.rank, sent, payload)
         url = target.worker.url + self.request.path_qs

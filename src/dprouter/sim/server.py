@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from dprouter.httplog import quiet_malformed
 from dprouter.net import bind, url_of
@@ -29,7 +30,7 @@ class Received:
     """What a generation request looked like when it reached the engine."""
 
     path: str
-    headers: dict[str, str]
+    headers: CIMultiDict[str]  # repeated headers stay repeated
     body: Any
     rank: int | None  # the rank that served it (None: rejected before placement)
 
@@ -146,7 +147,7 @@ class SimServer:
         self.started.clear()
 
     def record(self, request: web.Request, body: Any, rank: int | None) -> None:
-        self.received.append(Received(request.path, dict(request.headers), body, rank))
+        self.received.append(Received(request.path, CIMultiDict(request.headers), body, rank))
 
     def now_wall(self) -> float:
         return asyncio.get_running_loop().time() - self.started_at
