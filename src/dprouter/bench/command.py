@@ -20,6 +20,7 @@ from dprouter.bench import (
     prefix,
     scale,
     soak,
+    stacks,
 )
 from dprouter.bench.results import Result, write_report
 
@@ -35,10 +36,14 @@ SCENARIOS: dict[str, Scenario] = {
     "crosscheck": crosscheck.run,
 }
 LONG: dict[str, Scenario] = {"soak": soak.run}  # minutes by design: not part of "all"
+# a study of the HTTP stacks beneath dprouter, not of dprouter: not part of "all" either
+STUDIES: dict[str, Scenario] = {"stacks": stacks.run}
 
 
 @click.command()
-@click.argument("scenarios", nargs=-1, type=click.Choice([*SCENARIOS, *LONG, "all"]), required=True)
+@click.argument(
+    "scenarios", nargs=-1, type=click.Choice([*SCENARIOS, *LONG, *STUDIES, "all"]), required=True
+)
 @click.option("--quick", is_flag=True, help="Smaller runs: the whole set in a few minutes.")
 @click.option(
     "--out",
@@ -55,7 +60,7 @@ def bench(scenarios: tuple[str, ...], quick: bool, out: Path) -> None:
         for name in bar:
             bar.set_description(name)
             t0 = time.perf_counter()
-            result = {**SCENARIOS, **LONG}[name](quick, out)
+            result = {**SCENARIOS, **LONG, **STUDIES}[name](quick, out)
             result.data["wall_seconds"] = time.perf_counter() - t0
             results.append(result)
             tqdm.write(f"\n{result.title}\n{result.table()}\n{result.verdict}\n", file=sys.stdout)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from dprouter.bench import peers
@@ -45,12 +45,21 @@ def pinned(cpus: set[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-async def start_router(kind: str, backend: str) -> tuple[Proc | None, str]:
-    """A router of ``kind`` in front of ``backend``; (process, URL). Direct: no router."""
+Command = Callable[[int, str], list[str]]  # (port, backend URL) -> a proxy's command line
+
+
+async def start_router(
+    kind: str, backend: str, commands: Mapping[str, Command] | None = None
+) -> tuple[Proc | None, str]:
+    """A router of ``kind`` in front of ``backend``; (process, URL). Direct: no router.
+    ``commands`` adds kinds of its own (the stacks scenario's bare proxies)."""
     if kind == "direct":
         return None, backend
     port = free_port()
-    if kind == "dprouter":
+    if commands and kind in commands:
+        proc = Proc(commands[kind](port, backend), cpus=ROUTER_CORE)
+        await proc.start()  # polled below with real requests
+    elif kind == "dprouter":
         proc = Proc(
             [
                 *DPROUTER,
@@ -78,7 +87,10 @@ async def start_router(kind: str, backend: str) -> tuple[Proc | None, str]:
 
 
 async def measure(
-    kinds: list[str], seconds: float, rounds: int = 1
+    kinds: list[str],
+    seconds: float,
+    rounds: int = 1,
+    commands: Mapping[str, Command] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Every router up at once; ``rounds`` rounds, each measuring every router's loads
     in turn for ``seconds`` / ``rounds``, pooled. Interleaved so that a noisy spell of a
@@ -94,7 +106,7 @@ async def measure(
     cpu: dict[tuple[str, str], float] = dict.fromkeys(pooled, 0.0)  # seconds, pooled too
     try:
         for kind in kinds:
-            routers[kind] = await start_router(kind, backend_url)
+            routers[kind] = await start_router(kind, backend_url, commands)
         with pinned(CLIENT_CORE):
             for _, url in routers.values():
                 await closed_loop(url, 16, min(seconds, 2.0))  # warm up
