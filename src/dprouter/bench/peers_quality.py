@@ -27,6 +27,7 @@ from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import CostModel, EngineConfig, RankLimits
 
 SCALE = 0.25  # wall seconds per simulated second
+SEEDS = {False: 2, True: 1}  # workloads per run (each on a fresh cluster), by --quick
 DEADLINE = 60.0  # a turn slower than this (simulated seconds) counts as late
 # DP-attention engines for the rollouts: few running sequences per rank, so that the
 # HTTP run stays short in wall time
@@ -143,39 +144,67 @@ QUICK = {
 
 
 async def measure(
-    runs: Sequence[Run], engine: EngineConfig, engines: int, workload: dict[str, Any], quick: bool
+    runs: Sequence[Run],
+    engine: EngineConfig,
+    engines: int,
+    workload: dict[str, Any],
+    quick: bool,
+    seeds: int = 1,
 ) -> dict[str, dict[str, float]]:
+    """Each run once per seed, on a fresh cluster: means over seeds (busiest/mean with its
+    range), turn latencies pooled. One seed's balance swings a lot over HTTP in real time."""
     found: dict[str, dict[str, float]] = {}
     usable = set(peers.available()) | {"dprouter"}
     for run in runs:
         if run.kind not in usable or (quick and run.name not in QUICK):
             continue
-        async with SimCluster([replace(engine, time_scale=SCALE)] * engines) as cluster:
-            proc, url = await start(run, cluster.urls, engine.dp_size)
-            try:
-                latencies = await sessions(url, **workload, seed=1)
-            except RuntimeError as exc:
-                found[run.name] = {"failed": 1.0}
-                print(f"{run.name}: {exc}")
-                continue
-            finally:
-                await proc.stop()
-            ranks = [r for s in cluster.servers for r in s.engine.ranks]
-            steppers = [st for s in cluster.servers for st in s.engine.steppers]
-            queries = sum(r.stats.prefix_queries for r in ranks)
-            busy = [r.stats.busy_time for r in ranks]
-            found[run.name] = {
-                "step_ms": sum(st.busy_time for st in steppers)
-                / max(sum(st.steps for st in steppers), 1)
-                * 1e3,
-                "rank_max_over_mean": max(busy) / statistics.mean(busy),
-                "hit_rate": sum(r.stats.prefix_hits for r in ranks) / max(queries, 1),
-                "latency_p50": statistics.median(latencies),
-                "latency_p99": sorted(latencies)[int(0.99 * (len(latencies) - 1))],
-                "late": float(sum(1 for x in latencies if x > DEADLINE)),
-                "turns": float(len(latencies)),
-            }
+        per_seed: list[dict[str, float]] = []
+        latencies: list[float] = []
+        for seed in range(1, seeds + 1):
+            got = await _once(run, engine, engines, workload, seed)
+            if got is None:
+                break
+            per_seed.append(got[0])
+            latencies += got[1]
+        if len(per_seed) < seeds:
+            found[run.name] = {"failed": 1.0}
+            continue
+        balance = [m["rank_max_over_mean"] for m in per_seed]
+        found[run.name] = {
+            **{k: statistics.mean(m[k] for m in per_seed) for k in per_seed[0]},
+            "balance_min": min(balance),
+            "balance_max": max(balance),
+            "latency_p50": statistics.median(latencies),
+            "latency_p99": sorted(latencies)[int(0.99 * (len(latencies) - 1))],
+            "late": float(sum(1 for x in latencies if x > DEADLINE)),
+            "turns": float(len(latencies)),
+        }
     return found
+
+
+async def _once(
+    run: Run, engine: EngineConfig, engines: int, workload: dict[str, Any], seed: int
+) -> tuple[dict[str, float], list[float]] | None:
+    """One run on a fresh cluster: its engine-side figures and its turn latencies."""
+    async with SimCluster([replace(engine, time_scale=SCALE)] * engines) as cluster:
+        proc, url = await start(run, cluster.urls, engine.dp_size)
+        try:
+            latencies = await sessions(url, **workload, seed=seed)
+        except RuntimeError as exc:
+            print(f"{run.name}: {exc}")
+            return None
+        finally:
+            await proc.stop()
+        ranks = [r for s in cluster.servers for r in s.engine.ranks]
+        steppers = [st for s in cluster.servers for st in s.engine.steppers]
+        queries = sum(r.stats.prefix_queries for r in ranks)
+        busy = [r.stats.busy_time for r in ranks]
+        steps = max(sum(st.steps for st in steppers), 1)
+        return {
+            "step_ms": sum(st.busy_time for st in steppers) / steps * 1e3,
+            "rank_max_over_mean": max(busy) / statistics.mean(busy),
+            "hit_rate": sum(r.stats.prefix_hits for r in ranks) / max(queries, 1),
+        }, latencies
 
 
 def run(quick: bool, out: Path) -> Result:
@@ -193,6 +222,7 @@ def run(quick: bool, out: Path) -> Result:
                 "shared": 1,
             },
             quick,
+            SEEDS[quick],
         )
     )
     chat_engine = EngineConfig(persona="sglang", dp_size=4, limits=RankLimits(max_running=32))
@@ -209,6 +239,7 @@ def run(quick: bool, out: Path) -> Result:
                 "shared": 8,
             },
             quick,
+            SEEDS[quick],
         )
     )
     rows: list[list[Cell]] = []
@@ -217,7 +248,12 @@ def run(quick: bool, out: Path) -> Result:
             [
                 name,
                 *(
-                    _row(m, ("step_ms", "rank_max_over_mean", "latency_p50", "latency_p99"))
+                    [
+                        m["step_ms"],
+                        _balance(m),
+                        m["latency_p50"],
+                        m["latency_p99"],
+                    ]
                     if "failed" not in m
                     else ["failed"] * 4
                 ),
@@ -256,7 +292,8 @@ def run(quick: bool, out: Path) -> Result:
             "running per rank), closed-loop sessions with long log-normal decodes; "
             "chat: SGLang engines x DP4, 8 shared system prompts, 3 turns. Step: mean "
             "forward step of the engines; busiest/mean: ranks' busy time; latency per turn "
-            "in simulated seconds. Peers: "
+            f"in simulated seconds. Each run {SEEDS[quick]} time(s), one seeded workload each "
+            "on a fresh cluster: means, busiest/mean with its range, latencies pooled. Peers: "
             + peers.__doc__.split("Command lines, as run:")[1]
             .split("Known limits")[0]
             .strip()
@@ -267,7 +304,7 @@ def run(quick: bool, out: Path) -> Result:
                 [
                     "router",
                     "mean step ms",
-                    "busiest / mean rank",
+                    "busiest / mean rank (range)",
                     "turn p50 s",
                     "turn p99 s",
                     "turns > 60 s",
@@ -285,6 +322,12 @@ def run(quick: bool, out: Path) -> Result:
         plots=["peers.png"],
         data={"rollouts": rollouts, "chat": chats},
     )
+
+
+def _balance(m: dict[str, float]) -> str:
+    """Busiest/mean rank, with its range over seeds when there was more than one value."""
+    mean, low, high = m["rank_max_over_mean"], m["balance_min"], m["balance_max"]
+    return f"{mean:.2f}" if low == high else f"{mean:.2f} ({low:.2f}-{high:.2f})"
 
 
 def _row(m: dict[str, float], keys: Sequence[str]) -> list[Cell]:
