@@ -168,6 +168,7 @@ def run(quick: bool, out: Path) -> Result:
                     m["p50_ms"],
                     m["p99_ms"],
                     m["p50_ms"] - d["p50_ms"] if kind != "direct" else None,
+                    m["p99_ms"] - d["p99_ms"] if kind != "direct" else None,
                     m["chunks_s"] if "stream" in name else None,
                     m["cpu_ms_per_req"] if kind != "direct" else None,
                     int(m["errors"]),
@@ -207,9 +208,9 @@ def run(quick: bool, out: Path) -> Result:
             "aiohttp backend and this closed-loop load generator on core 1; per router and "
             f"load {1 if quick else 12} s in all after a warm-up, in "
             f"{1 if quick else ROUNDS} interleaved round(s) (router after router, then again), "
-            "pooled; "
-            "added p50 = router p50 - direct p50; CPU from /proc (process tree) per answered "
-            "request; peak RSS = VmHWM. Every request checked for status 200."
+            "pooled; added p50 (p99) = router p50 (p99) - direct p50 (p99); CPU from /proc "
+            "(process tree) per answered request (ms per request = CPU seconds per 1k "
+            "requests); peak RSS = VmHWM. Every request checked for status 200."
         ),
         tables=[
             Table(
@@ -220,6 +221,7 @@ def run(quick: bool, out: Path) -> Result:
                     "p50 ms",
                     "p99 ms",
                     "added p50 ms",
+                    "added p99 ms",
                     "SSE chunks/s",
                     "CPU ms/req",
                     "errors",
