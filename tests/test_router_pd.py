@@ -234,11 +234,12 @@ async def test_streamed_decode_passes_through_byte_exact(
             async with http.post(
                 router.url + "/v1/completions",
                 json={**PROMPT, "stream": True},
-                headers={"Accept-Encoding": "gzip"},
+                headers=[("Accept-Encoding", "gzip"), ("X-Trace", "a"), ("X-Trace", "b")],
             ) as r:
                 assert await r.read() == b"".join(PIECES)
     # the router reads the prefill's answer itself: it asks for it uncompressed
     assert all(rec.headers["Accept-Encoding"] == "identity" for rec in prefill.received)
+    assert all(rec.headers.getall("X-Trace") == ["a", "b"] for rec in prefill.received)
     for body in seen:
         if mode == "sglang":
             assert body["bootstrap_room"] % 2 == body["disagg_prefill_dp_rank"]
