@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -124,6 +127,50 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield url_of("127.0.0.1", sock.getsockname()[1])
     finally:
         await runner.cleanup()
+
+
+class Stalling:
+    """A stand-in engine on an event loop of its own thread, behind a two-place accept queue.
+    ``stall`` blocks that loop with the queue full: connections to it then do not open
+    (SYNs are dropped) until the loop runs again -- an engine that stops accepting."""
+
+    def __init__(self, url: str, loop: asyncio.AbstractEventLoop, port: int) -> None:
+        self.url, self.loop, self.port = url, loop, port
+        self.fillers: list[socket.socket] = []
+
+    async def stall(self, seconds: float) -> None:
+        self.loop.call_soon_threadsafe(time.sleep, seconds)
+        await asyncio.sleep(0.05)  # it sleeps now; these two wait in its queue, unaccepted
+        self.fillers += [socket.create_connection(("127.0.0.1", self.port)) for _ in range(2)]
+
+
+@asynccontextmanager
+async def stalling(app: web.Application) -> AsyncIterator[Stalling]:
+    sock = bind("127.0.0.1", 0, backlog=1)
+    port = sock.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = web.AppRunner(app)
+
+    def on_loop(coro: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, loop).result(5)
+
+    async def serve() -> None:
+        await runner.setup()
+        await web.SockSite(runner, sock, backlog=1).start()  # it listens anew: keep it small
+
+    on_loop(serve())
+    engine = Stalling(url_of("127.0.0.1", port), loop, port)
+    try:
+        yield engine
+    finally:
+        for filler in engine.fillers:
+            filler.close()
+        on_loop(runner.cleanup())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
 
 
 async def until(check: Callable[[], bool], seconds: float = 5.0) -> bool:

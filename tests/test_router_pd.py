@@ -24,6 +24,7 @@ from tests.conftest import (
     StartRouter,
     completions_engine,
     serving,
+    stalling,
     until,
 )
 from tests.test_router_proxy import PIECES
@@ -468,3 +469,35 @@ async def test_a_hanging_prefill_is_passed_over_after_the_first_byte_timeout(
     async with http.get(dep.router.url + "/metrics") as r:
         text = await r.text()
     assert 'cause="no_answer",dp_rank="",role="prefill",worker="p0"} 2.0' in text  # then out
+
+
+async def test_a_decode_leg_whose_connection_does_not_open_in_time_goes_again(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The only decode target stops accepting for a moment: its connect times out, the leg
+    never left, so the pair is tried again with the same decode, which answers once."""
+    (prefill,) = (await start_cluster([engine("vllm-nixl", "prefill", 2)])).servers
+    seen: list[dict[str, Any]] = []
+
+    async def decode(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"choices": [{"text": "decoded"}]})
+
+    async with stalling(completions_engine(decode)) as stalled:
+        router = await start_router(
+            RouterConfig(
+                pd="vllm-nixl",
+                workers=(
+                    WorkerSpec(prefill.url, role="prefill"),
+                    WorkerSpec(stalled.url, role="decode", dialect="vllm", dp_size=1),
+                ),
+                connect_timeout=0.5,
+                retry_backoff=0.6,
+            )
+        )
+        await stalled.stall(0.6)
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200, await r.text()
+        assert len(seen) == 1
+        text = await (await http.get(router.url + "/metrics")).text()
+        assert 'cause="connect_timeout",dp_rank="",role="decode",worker="d0"} 1.0' in text

@@ -18,6 +18,7 @@ from tests.conftest import (
     completions_engine,
     metric_sum,
     serving,
+    stalling,
     workers,
 )
 from tests.test_sim_vllm import sse_events
@@ -385,3 +386,33 @@ async def test_the_engine_sees_the_clients_accept_encoding_not_one_of_the_router
                 ) as r:
                     assert r.status == 200
     assert seen == [None, "gzip"]
+
+
+async def test_a_connection_that_does_not_open_in_time_is_tried_again_on_the_same_target(
+    start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The only target stops accepting for a moment (as when a burst swamps the router, whose
+    own backlog outlasts the connect timer): the first connect times out; the request never
+    left, so the same target is tried again, and answers once."""
+    seen: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append((await request.json())["prompt"])
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    async with stalling(completions_engine(answer)) as engine:
+        router = await start_router(
+            RouterConfig(
+                workers=workers(engine.url, dialect="vllm", dp_size=1),
+                connect_timeout=0.5,
+                retry_backoff=0.6,  # the next attempt starts after the engine accepts again
+            )
+        )
+        await engine.stall(0.6)
+        async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200, await r.text()
+        assert seen == [PROMPT["prompt"]]  # it reached the engine once
+        timeouts = await metric_sum(
+            http, router.url, "dprouter_upstream_errors_total", cause="connect_timeout"
+        )
+        assert timeouts == 1

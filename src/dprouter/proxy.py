@@ -46,6 +46,13 @@ def retry_after(value: str | None) -> float:
     return min(float(value), REST_MAX)
 
 
+async def back_off(attempt: int, base: float, jitter: random.Random) -> None:
+    """Wait before attempt ``attempt`` (1, 2, ...): capped exponential backoff with jitter,
+    so that a struggling fleet breathes and retries do not arrive in lock-step."""
+    wait = min(base * 2 ** (attempt - 1), RETRY_BACKOFF_MAX)
+    await asyncio.sleep(wait * jitter.uniform(0.5, 1.0))
+
+
 Admitted = tuple[bytes, Incoming, CIMultiDict[str], int | None, bool]
 
 
@@ -108,6 +115,7 @@ class Proxy:
         if isinstance(pool, web.Response):
             return pool
         tried: list[Target] = []
+        unopened: list[Target] = []  # tried, but no connection opened: the request never left
         last = "no attempt was made"
         refused = 0  # attempts whose worker refused the connection
         info = RequestInfo(
@@ -120,11 +128,14 @@ class Proxy:
         for attempt in range(self.config.attempts):
             candidates = pool if not tried else tuple(t for t in pool if t not in tried)
             if not candidates:
-                break
-            if attempt:  # capped exponential backoff with jitter: a struggling fleet breathes
-                wait = min(self.config.retry_backoff * 2 ** (attempt - 1), RETRY_BACKOFF_MAX)
-                await asyncio.sleep(wait * self.jitter.uniform(0.5, 1.0))
+                # every target tried: one whose connection never opened is tried again (the
+                # request never reached it, and in a burst the router's own backlog can
+                # outlast the connect timer while the engine is fine)
+                candidates, unopened = tuple(dict.fromkeys(unopened)), []
+                if not candidates:
+                    break
             if attempt:
+                await back_off(attempt, self.config.retry_backoff, self.jitter)
                 info = replace(info, attempt=attempt)
             target = self.policy.select(candidates, info)
             tried.append(target)
@@ -150,6 +161,12 @@ class Proxy:
                     self.unreachable(target.worker)
                     last = f"{target.label}: cannot connect ({exc.os_error})"
                     refused += 1
+                    continue
+                except aiohttp.ConnectionTimeoutError:
+                    series.failed("connect_timeout")
+                    self.breakers.failed(target)
+                    unopened.append(target)
+                    last = f"{target.label}: no connection within {self.config.connect_timeout:g} s"
                     continue
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     series.failed("no_answer")

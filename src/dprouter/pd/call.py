@@ -91,6 +91,8 @@ class Call:
         except aiohttp.ClientConnectorError as exc:
             self.gone(target.worker)
             raise PairFailed(side, target, "connect", f"cannot connect ({exc.os_error})") from exc
+        except aiohttp.ConnectionTimeoutError as exc:  # the leg never left: it may go again
+            raise PairFailed(side, target, "connect_timeout", "no connection in time") from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise PairFailed(side, target, "no_answer", f"{type(exc).__name__} {exc}") from exc
         if resp.status in RETRY_STATUS:

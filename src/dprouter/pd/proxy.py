@@ -26,7 +26,7 @@ from dprouter.pd import moriio, nixl, sglang
 from dprouter.pd.call import Call, PairFailed, Side
 from dprouter.pd.pairing import Pairing
 from dprouter.policies import Policy, RequestInfo
-from dprouter.proxy import admit
+from dprouter.proxy import admit, back_off
 from dprouter.registry import Registry
 from dprouter.relay import CUT, error
 from dprouter.targets import Target, Worker
@@ -61,6 +61,7 @@ class PairProxy:
         }
         assert config.pd is not None
         self.flow = flows[config.pd]
+        self.jitter = random.Random(config.seed)
 
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
@@ -90,12 +91,20 @@ class PairProxy:
         )
         info = RequestInfo(incoming.key, incoming.text, incoming.tokens, started)
         tried: dict[Side, list[Target]] = {"prefill": [], "decode": []}
+        unopened: dict[Side, list[Target]] = {"prefill": [], "decode": []}  # the leg never left
         last = "no attempt was made"
         for attempt in range(self.config.attempts):
             prefills = [t for t in pools[0] if t not in tried["prefill"]]
             decodes = [t for t in pools[1] if t not in tried["decode"]]
+            # every target of a role tried: one whose connection never opened goes again
+            if not prefills:
+                prefills, unopened["prefill"] = list(dict.fromkeys(unopened["prefill"])), []
+            if not decodes:
+                decodes, unopened["decode"] = list(dict.fromkeys(unopened["decode"])), []
             if not prefills or not decodes:
                 break
+            if attempt:
+                await back_off(attempt, self.config.retry_backoff, self.jitter)
             prefill, decode = self.pairing.choose(
                 prefills, decodes, replace(info, attempt=attempt), incoming.model
             )
@@ -106,6 +115,8 @@ class PairProxy:
                 if failed.cause not in ("status_408", "status_429"):  # busy is not broken
                     self.breakers.failed(failed.target)
                 tried[failed.side].append(failed.target)
+                if failed.cause == "connect_timeout":
+                    unopened[failed.side].append(failed.target)
                 last = str(failed)
                 continue
             if answer.get(CUT):  # the decode leg's stream broke off after its headers
