@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -25,8 +26,9 @@ from dprouter.bench.results import Cell, Result, Table
 from dprouter.sim.report import percentiles
 
 
-async def burst(url: str, n: int, model: str = "bench") -> dict[str, float]:
+async def burst(url: str, n: int, model: str = "bench") -> dict[str, Any]:
     outcomes: Counter[str] = Counter()
+    said: Counter[str] = Counter()  # what the failed answers said, to say why in the report
     latencies: list[float] = []
     gate = asyncio.Event()
 
@@ -36,8 +38,10 @@ async def burst(url: str, n: int, model: str = "bench") -> dict[str, float]:
         try:
             body = {"model": model, "prompt": f"burst {i}", "max_tokens": 8}
             async with session.post(url + "/v1/completions", json=body) as r:
-                await r.read()
+                answer = await r.read()
                 outcomes["ok" if r.status == 200 else f"http_{r.status}"] += 1
+                if r.status != 200:
+                    said[f"HTTP {r.status}: {answer[:200].decode(errors='replace')}"] += 1
         except aiohttp.ClientConnectionError as exc:
             outcomes["reset" if "reset" in str(exc).lower() else "connection_error"] += 1
         except TimeoutError:
@@ -66,10 +70,11 @@ async def burst(url: str, n: int, model: str = "bench") -> dict[str, float]:
         "drain_s": drained,
         "p50_s": p.p50,
         "p99_s": p.p99,
+        "errors_said": dict(said.most_common(3)),
     }
 
 
-async def plain(kind: str, n: int) -> dict[str, float]:
+async def plain(kind: str, n: int) -> dict[str, Any]:
     port = free_port()
     backend = Proc([sys.executable, "-m", "dprouter.bench.backend", "--port", str(port)])
     await backend.start("ready")
@@ -84,7 +89,7 @@ async def plain(kind: str, n: int) -> dict[str, float]:
         await backend.stop()
 
 
-async def pd(n: int) -> dict[str, float]:
+async def pd(n: int) -> dict[str, Any]:
     sim = [*DPROUTER, "sim", "--pd", "sglang", "--dp-size", "8", "--max-running", "1024"]
     p_port, d_port, r_port = free_port(), free_port(), free_port()
     prefill = Proc(
@@ -122,9 +127,9 @@ async def pd(n: int) -> dict[str, float]:
             await proc.stop()
 
 
-async def measure(quick: bool) -> dict[str, dict[str, float]]:
+async def measure(quick: bool) -> dict[str, dict[str, Any]]:
     sizes = (1024,) if quick else (4096, 10_000)
-    found: dict[str, dict[str, float]] = {}
+    found: dict[str, dict[str, Any]] = {}
     for n in sizes:
         for kind in ("dprouter", *peers.available()):
             found[f"{kind}, plain, {n}"] = await plain(kind, n)
@@ -159,6 +164,11 @@ def run(quick: bool, out: Path) -> Result:
     ours = {k: m for k, m in found.items() if k.startswith("dprouter")}
     failures = ("http_errors", "resets", "connection_errors", "timeouts", "lost")
     clean = all(m[f] == 0 for m in ours.values() for f in failures)
+    why = [
+        f"{name}: {text} ({count}x)"
+        for name, m in found.items()
+        for text, count in m["errors_said"].items()
+    ]
     return Result(
         scenario="burst",
         title="6. Burst: every connection at once",
@@ -188,6 +198,7 @@ def run(quick: bool, out: Path) -> Result:
         verdict=(
             "dprouter answered every request of every burst: "
             + ("no reset, no lost request." if clean else "SOMETHING WAS LOST (see table).")
+            + "".join(f" {line}." for line in why)
         ),
         checks={"dprouter: zero resets and zero lost requests": clean},
         plots=["burst.png"],
