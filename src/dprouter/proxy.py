@@ -53,6 +53,21 @@ async def back_off(attempt: int, base: float, jitter: random.Random) -> None:
     await asyncio.sleep(wait * jitter.uniform(0.5, 1.0))
 
 
+def untried(
+    pool: Sequence[Target], tried: list[Target], unopened: list[Target]
+) -> Sequence[Target]:
+    """The targets of ``pool`` not yet tried. Once each has been, those whose connection
+    never opened in time go again (and leave ``unopened``): the request never reached them,
+    and in a burst the router's own backlog can outlast the connect timer while the
+    engine is fine."""
+    left = tuple(t for t in pool if t not in tried) if tried else pool
+    if left:
+        return left
+    again = tuple(dict.fromkeys(unopened))
+    unopened.clear()
+    return again
+
+
 Admitted = tuple[bytes, Incoming, CIMultiDict[str], int | None, bool]
 
 
@@ -126,14 +141,9 @@ class Proxy:
             (kind == "generate", incoming.model, pinned),
         )
         for attempt in range(self.config.attempts):
-            candidates = pool if not tried else tuple(t for t in pool if t not in tried)
+            candidates = untried(pool, tried, unopened)
             if not candidates:
-                # every target tried: one whose connection never opened is tried again (the
-                # request never reached it, and in a burst the router's own backlog can
-                # outlast the connect timer while the engine is fine)
-                candidates, unopened = tuple(dict.fromkeys(unopened)), []
-                if not candidates:
-                    break
+                break
             if attempt:
                 await back_off(attempt, self.config.retry_backoff, self.jitter)
                 info = replace(info, attempt=attempt)

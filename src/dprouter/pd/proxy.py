@@ -26,7 +26,7 @@ from dprouter.pd import moriio, nixl, sglang
 from dprouter.pd.call import Call, PairFailed, Side
 from dprouter.pd.pairing import Pairing
 from dprouter.policies import Policy, RequestInfo
-from dprouter.proxy import admit, back_off
+from dprouter.proxy import admit, back_off, untried
 from dprouter.registry import Registry
 from dprouter.relay import CUT, error
 from dprouter.targets import Target, Worker
@@ -94,13 +94,8 @@ class PairProxy:
         unopened: dict[Side, list[Target]] = {"prefill": [], "decode": []}  # the leg never left
         last = "no attempt was made"
         for attempt in range(self.config.attempts):
-            prefills = [t for t in pools[0] if t not in tried["prefill"]]
-            decodes = [t for t in pools[1] if t not in tried["decode"]]
-            # every target of a role tried: one whose connection never opened goes again
-            if not prefills:
-                prefills, unopened["prefill"] = list(dict.fromkeys(unopened["prefill"])), []
-            if not decodes:
-                decodes, unopened["decode"] = list(dict.fromkeys(unopened["decode"])), []
+            prefills = untried(pools[0], tried["prefill"], unopened["prefill"])
+            decodes = untried(pools[1], tried["decode"], unopened["decode"])
             if not prefills or not decodes:
                 break
             if attempt:
