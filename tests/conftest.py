@@ -6,6 +6,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -127,6 +128,19 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield url_of("127.0.0.1", sock.getsockname()[1])
     finally:
         await runner.cleanup()
+
+
+async def stream_ends(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], n: int
+) -> Counter[str]:
+    """``n`` streamed requests to ``url``, each answered 200: how many streams ended whole
+    and how many the router had to end with its error event ("cut")."""
+    ends: Counter[str] = Counter()
+    for _ in range(n):
+        async with http.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status == 200
+            ends["cut" if b"closed the stream" in await r.read() else "whole"] += 1
+    return ends
 
 
 class Stalling:

@@ -20,6 +20,7 @@ from tests.conftest import (
     completions_engine,
     metric_sum,
     serving,
+    stream_ends,
     until,
     workers,
 )
@@ -255,11 +256,6 @@ async def test_an_engine_cutting_its_streams_short_is_taken_out(
         router = await start_router(
             RouterConfig(workers=specs, breaker_failures=2, breaker_cooldown=60)
         )
-        ends: Counter[str] = Counter()
-        for _ in range(12):
-            body = {**PROMPT, "stream": True}
-            async with http.post(router.url + "/v1/completions", json=body) as r:
-                assert r.status == 200
-                ends["cut" if b"closed the stream" in await r.read() else "whole"] += 1
+        ends = await stream_ends(http, router.url, PROMPT, 12)
     assert engine.cuts == 2 and ends == {"cut": 2, "whole": 10}  # two cuts opened the breaker
     assert [t.label for t in router.registry.snapshot.pool()] == ["w1"]

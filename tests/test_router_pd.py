@@ -25,6 +25,7 @@ from tests.conftest import (
     completions_engine,
     serving,
     stalling,
+    stream_ends,
     until,
 )
 from tests.test_router_proxy import PIECES
@@ -432,12 +433,7 @@ async def test_a_decode_cutting_its_streams_short_is_taken_out_by_its_breaker(
                 breaker_cooldown=60,
             )
         )
-        ends: Counter[str] = Counter()
-        for _ in range(12):
-            body = {**PROMPT, "stream": True}
-            async with http.post(router.url + "/v1/completions", json=body) as r:
-                assert r.status == 200
-                ends["cut" if b"closed the stream" in await r.read() else "whole"] += 1
+        ends = await stream_ends(http, router.url, PROMPT, 12)
     assert cutting.cuts == 2 and ends == {"cut": 2, "whole": 10}
     assert [t.worker.url for t in router.registry.snapshot.pool("decode")] == [good.url]
     assert len(router.registry.snapshot.pool("prefill")) == 2  # the prefills did nothing wrong
