@@ -65,7 +65,8 @@ async def test_sim_command_serves_engines_and_stops_on_sigterm(
         assert all(u.startswith("http://127.0.0.1:") for u in urls) and urls[0] != urls[1]
         async with http.get(urls[1] + "/server_info") as r:
             info = await r.json()
-        assert (info["dp_size"], info["enable_dp_attention"]) == (2, True)
+        # SGLang 0.5.23's shape: attention-DP ranks in attn_dp_size
+        assert (info["dp_size"], info["attn_dp_size"], info["enable_dp_attention"]) == (1, 2, True)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proc.wait(), 30)

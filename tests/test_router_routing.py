@@ -92,17 +92,34 @@ async def test_each_engine_gets_the_rank_in_its_dialect(
     assert "X-data-parallel-rank" not in one.headers and "routed_dp_rank" not in one.body
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["attn_dp_size", "dp_size"])
 async def test_sglang_dp_attention_is_routed_per_rank_with_no_dp_option(
-    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    legacy: bool,
 ) -> None:
-    (engine,) = (
-        await start_cluster([EngineConfig(persona="sglang", dp_size=4, dp_attention=True)])
-    ).servers
+    """SGLang 0.5.23 reports attention DP as ``dp_size: 1, attn_dp_size: 4``; older SGLang
+    as ``dp_size: 4, enable_dp_attention``. Either way: four targets, one per rank."""
+    config = EngineConfig(persona="sglang", dp_size=4, dp_attention=True, legacy_sglang=legacy)
+    (engine,) = (await start_cluster([config])).servers
     router = await start_router(RouterConfig(workers=workers(engine.url)))
     (worker,) = router.registry.workers.values()
     assert (worker.dialect, worker.ranks, worker.dp_attention) == ("sglang", 4, True)
     seen = await served_by(http, router.url, 8)
     assert [rank for _, rank in seen] == ["0", "1", "2", "3"] * 2
+    # a session key sticks to one rank of the engine, on SGLang's own endpoint too
+    sticky = await start_router(RouterConfig(workers=workers(engine.url), sessions=True))
+    ranks = []
+    for _ in range(8):
+        body = {"text": "mine", "sampling_params": {"max_new_tokens": 2}}
+        headers = {"X-SMG-Routing-Key": "alice"}
+        async with http.post(sticky.url + "/generate", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            ranks.append(r.headers["x-sim-dp-rank"])
+    assert len(set(ranks)) == 1
+    last = list(engine.received)[-8:]
+    assert [rec.body["routed_dp_rank"] for rec in last] == [int(ranks[0])] * 8
 
 
 async def test_client_ranks_are_stripped_unless_trusted(
@@ -123,6 +140,31 @@ async def test_client_ranks_are_stripped_unless_trusted(
     )
     seen = await served_by(http, trusting.url, 2, PROMPT, {"X-data-parallel-rank": "3"})
     assert seen == [("engine-0", "3")] * 2
+
+
+async def test_sglang_override_headers_never_reach_an_engine(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """SGLang lets ``X-Override-*`` headers replace body fields when started with
+    SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES: a client's would pin a rank behind the
+    router's back or point a decode at another server. Even a trusted client's."""
+    (engine,) = (await start_cluster([EngineConfig(persona="sglang", dp_size=2)])).servers
+    overrides = {
+        "X-Override-Routed-Dp-Rank": "1",
+        "X-Override-Disagg-Prefill-Dp-Rank": "1",
+        "X-Override-Rid": "not-the-routers",
+        "X-Override-Bootstrap-Host": "10.0.0.66",
+        "X-Override-Bootstrap-Port": "1",
+        "X-Override-Bootstrap-Room": "7",
+        "X-Override-Priority": "3",  # a preference, not routing: passed on
+    }
+    for trust in (False, True):
+        router = await start_router(
+            RouterConfig(workers=workers(engine.url), trust_client_rank=trust)
+        )
+        assert await served_by(http, router.url, 1, PROMPT, overrides) == [("engine-0", "0")]
+        sent = {k.lower() for k in engine.received[-1].headers}
+        assert sent & {k.lower() for k in overrides} == {"x-override-priority"}
 
 
 async def test_sessions_stick_and_new_ones_go_to_the_least_loaded_target(

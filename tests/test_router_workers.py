@@ -42,6 +42,54 @@ async def test_vllm_ranks_come_from_metrics_and_a_contradiction_is_refused(
     ]
 
 
+@pytest.mark.parametrize(
+    ("info", "ranks", "lock_step"),
+    [
+        ({"dp_size": 1}, 1, False),  # one rank
+        ({"dp_size": 4, "enable_dp_attention": False}, 4, False),  # older SGLang, DP
+        ({"dp_size": 4, "enable_dp_attention": True}, 4, True),  # older SGLang, attention DP
+        ({"dp_size": 2, "attn_dp_size": 1, "enable_dp_attention": False}, 2, False),  # 0.5.23
+        ({"dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": True}, 2, True),  # 0.5.23
+        ({"dp_size": 1, "attn_dp_size": 8}, 8, True),  # once enable_dp_attention is gone
+    ],
+)
+def test_sglang_ranks_from_either_server_info_shape(
+    info: dict[str, object], ranks: int, lock_step: bool
+) -> None:
+    assert discovery.sglang_ranks("http://e", info) == (ranks, lock_step)
+
+
+@pytest.mark.parametrize(
+    ("info", "seen"),
+    [
+        ({"dp_size": 2, "attn_dp_size": 4}, "dp_size=2, attn_dp_size=4"),
+        ({"dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": False}, "attn_dp_size=2"),
+        ({"dp_size": "2"}, "dp_size='2'"),
+        ({"dp_size": 0}, "dp_size=0"),
+        ({"dp_size": 1, "attn_dp_size": None}, "attn_dp_size=None"),
+        ({"dp_size": 2, "enable_dp_attention": "yes"}, "enable_dp_attention='yes'"),
+    ],
+)
+async def test_an_sglang_shape_dprouter_cannot_read_is_refused_with_its_fields(
+    start_router: StartRouter, info: dict[str, object], seen: str
+) -> None:
+    async def server_info(_: web.Request) -> web.Response:
+        return web.json_response({**info, "tp_size": 2})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/health", health)
+    async with serving(app) as url:
+        router = await start_router(RouterConfig(workers=workers(url)))
+        (worker,) = router.registry.workers.values()
+    assert worker.state == "error"
+    assert f"{url}/server_info reports" in (worker.error or "") and seen in (worker.error or "")
+    assert router.registry.snapshot.pool() == ()
+
+
 @pytest.fixture
 async def hybrid_metrics() -> AsyncIterator[str]:
     """A vLLM hybrid-LB endpoint's /metrics: it shows only its local engines 8..11."""

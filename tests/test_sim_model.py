@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dprouter.sim.config import CostModel, EngineConfig, RankLimits
@@ -152,13 +154,28 @@ def test_sglang_dispatch_modes() -> None:
     placed = [rr.add(r, 0.0) and r.rank for r in (req(f"r{i}", 8, 2) for i in range(6))]
     assert placed == [0, 1, 2, 0, 1, 2]
 
-    sq = Engine(EngineConfig(persona="sglang", dp_size=3, dispatch="shortest_queue"))
+    legacy = EngineConfig(persona="sglang", legacy_sglang=True, dp_size=3)
+    sq = Engine(replace(legacy, dispatch="shortest_queue"))
     for i in range(3):
         sq.add(req(f"p{i}", 8, 2, rank=0), 0.0)
     sq.add(req("p3", 8, 2, rank=2), 0.0)
     free = req("free", 8, 2)
     sq.add(free, 0.0)
     assert free.rank == 1
+
+    # SGLang 0.5.23's balancers by load: the counts read at the first pick (here: rank 0
+    # holds 3, rank 2 holds 1), plus one request per pick until the next read
+    for method in ("total_requests", "total_tokens"):
+        budget = Engine(EngineConfig(persona="sglang", dp_size=3, dispatch=method))
+        for i in range(3):
+            budget.add(req(f"p{i}", 8, 2, rank=0), 0.0)
+        budget.add(req("p3", 8, 2, rank=2), 0.0)
+        burst = [req(f"b{i}", 8, 2) for i in range(5)]
+        for r in burst:
+            budget.add(r, 0.001)
+        assert [r.rank for r in burst] == [1, 1, 2, 1, 2], method
+    with pytest.raises(ValueError, match="sglang dispatch must be one of"):
+        EngineConfig(persona="sglang", dispatch="shortest_queue")  # gone in 0.5.23
 
     room = Engine(EngineConfig(persona="sglang", dp_size=4, dispatch="follow_bootstrap_room"))
     r = req("room", 8, 2)

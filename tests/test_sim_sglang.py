@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
-from dprouter.sim.config import EngineConfig
+from dprouter.sim.config import Dispatch, EngineConfig
 from dprouter.sim.tokens import tokenize
 from tests.conftest import StartCluster, background
 from tests.test_sim_vllm import sse_events
@@ -28,15 +28,31 @@ async def complete(
         return r.status, r.headers.get("x-sim-dp-rank"), await r.json()
 
 
+@pytest.mark.parametrize(
+    ("legacy", "dp_attention", "shape"),
+    [
+        (False, True, (1, 4, True)),  # SGLang 0.5.23: --attn-dp-size 4
+        (False, False, (4, 1, False)),  # SGLang 0.5.23: --dp-size 4
+        (True, True, (4, None, True)),  # older: --dp-size 4 --enable-dp-attention
+        (True, False, (4, None, False)),
+    ],
+)
 async def test_server_info_reports_dp_shape(
-    start_cluster: StartCluster, http: aiohttp.ClientSession
+    start_cluster: StartCluster,
+    http: aiohttp.ClientSession,
+    legacy: bool,
+    dp_attention: bool,
+    shape: tuple[int, int | None, bool],
 ) -> None:
-    config = EngineConfig(persona="sglang", dp_size=4, tp_size=2, dp_attention=True)
+    config = EngineConfig(
+        persona="sglang", dp_size=4, tp_size=2, dp_attention=dp_attention, legacy_sglang=legacy
+    )
     (engine,) = (await start_cluster([config])).servers
     for path in ("/server_info", "/get_server_info"):
         async with http.get(engine.url + path) as r:
             info = await r.json()
-        assert (info["dp_size"], info["tp_size"], info["enable_dp_attention"]) == (4, 2, True)
+        assert (info["dp_size"], info.get("attn_dp_size"), info["enable_dp_attention"]) == shape
+        assert info["tp_size"] == 2
         assert info["load_balance_method"] == "round_robin"
         assert info["disaggregation_mode"] == "null"
         assert [s["dp_rank"] for s in info["internal_states"]] == [0, 1, 2, 3]
@@ -53,8 +69,12 @@ async def test_routed_dp_rank_older_name_and_header_override(
     assert (await complete(http, engine.url, both))[1] == "1"
     header = {"X-Data-Parallel-Rank": "0"}
     assert (await complete(http, engine.url, {"routed_dp_rank": 2}, header))[1] == "0"
+    # /generate reads only the body (SGLang 0.5.23, measured on the real engine)
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}, "routed_dp_rank": 2}
+    async with http.post(engine.url + "/generate", json=body, headers=header) as r:
+        assert r.headers["x-sim-dp-rank"] == "2"
     received = [rec.rank for rec in engine.received]
-    assert received == [2, 3, 1, 0]
+    assert received == [2, 3, 1, 0, 2]
 
 
 @pytest.mark.parametrize(
@@ -96,10 +116,12 @@ async def test_rank_zero_on_a_single_rank_engine_is_ignored(
     assert (await complete(http, engine.url, {"routed_dp_rank": 1}))[0] == 400
 
 
+@pytest.mark.parametrize("legacy", [False, True])
 async def test_loads_and_get_load_per_rank(
-    start_cluster: StartCluster, http: aiohttp.ClientSession
+    start_cluster: StartCluster, http: aiohttp.ClientSession, legacy: bool
 ) -> None:
-    (engine,) = (await start_cluster([EngineConfig(persona="sglang", dp_size=2)])).servers
+    config = EngineConfig(persona="sglang", dp_size=2, legacy_sglang=legacy)
+    (engine,) = (await start_cluster([config])).servers
 
     async def long(i: int) -> None:
         async with http.post(
@@ -116,14 +138,20 @@ async def test_loads_and_get_load_per_rank(
         await asyncio.sleep(0.1)
         async with http.get(engine.url + "/v1/loads") as r:
             loads = await r.json()
-        assert loads["dp_rank_count"] == 2
+        assert set(loads) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
         per_rank = {x["dp_rank"]: x for x in loads["loads"]}
         assert per_rank[0]["num_running_reqs"] == 0 and per_rank[1]["num_running_reqs"] == 3
         assert per_rank[1]["num_used_tokens"] > 3 * len(tokenize("busy 0"))
         assert 0 < per_rank[1]["token_usage"] < 1
+        assert per_rank[1]["max_total_num_tokens"] == config.limits.kv_tokens
         async with http.get(engine.url + "/v1/loads?dp_rank=1") as r:
             assert [x["dp_rank"] for x in (await r.json())["loads"]] == [1]
+        async with http.get(engine.url + "/v1/loads?dp_rank=5") as r:
+            assert (await r.json())["loads"] == []
         async with http.get(engine.url + "/get_load") as r:
+            if not legacy:  # gone in SGLang 0.5.23
+                assert r.status == 404
+                return
             old = await r.json()
         assert [(x["dp_rank"], x["num_reqs"]) for x in old] == [(0, 0), (1, 3)]
 
@@ -161,10 +189,14 @@ async def test_round_robin_dispatch_is_blind_but_even(
     assert ranks == ["0", "1", "2", "3", "0", "1", "2", "3"]
 
 
-async def test_shortest_queue_avoids_the_busy_rank(
-    start_cluster: StartCluster, http: aiohttp.ClientSession
+@pytest.mark.parametrize(
+    ("dispatch", "legacy"),
+    [("total_requests", False), ("total_tokens", False), ("shortest_queue", True)],
+)
+async def test_load_balancing_dispatch_avoids_the_busy_rank(
+    start_cluster: StartCluster, http: aiohttp.ClientSession, dispatch: Dispatch, legacy: bool
 ) -> None:
-    config = EngineConfig(persona="sglang", dp_size=2, dispatch="shortest_queue")
+    config = EngineConfig(persona="sglang", dp_size=2, dispatch=dispatch, legacy_sglang=legacy)
     (engine,) = (await start_cluster([config])).servers
     busy = {"max_tokens": 300, "routed_dp_rank": 0}
     async with background(*(complete(http, engine.url, busy) for _ in range(4))):

@@ -17,6 +17,20 @@ from dprouter.targets import DialectName
 VLLM_RANK_HEADER = "X-data-parallel-rank"
 RANK_HEADERS = ("x-data-parallel-rank",)  # vLLM's and SGLang's spelling, case-folded
 RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")
+# SGLang started with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES lets these headers override
+# the body: from a client they would pin a rank behind the router's back, rename the
+# request the router aborts by rid, or send a decode to fetch KV from another server.
+# They are never forwarded (a trusted client pins its rank the documented way).
+OVERRIDE_HEADERS = frozenset(
+    {
+        "x-override-routed-dp-rank",
+        "x-override-disagg-prefill-dp-rank",
+        "x-override-rid",
+        "x-override-bootstrap-host",
+        "x-override-bootstrap-port",
+        "x-override-bootstrap-room",
+    }
+)
 
 
 def client_rank(headers: Mapping[str, str], body: Mapping[str, Any]) -> int | None:

@@ -1,7 +1,7 @@
 """Ask a worker what it is: dialect, DP ranks, DP attention, models; and its load.
 
-SGLang answers ``/server_info`` (older ``/get_server_info``) with ``dp_size``
-and ``enable_dp_attention``. vLLM has no such endpoint in production; its
+SGLang answers ``/server_info`` (older ``/get_server_info``) in one of two
+shapes (``sglang_ranks``). vLLM has no such endpoint in production; its
 ``/metrics`` series carry one ``engine`` label per DP rank, so the ranks are
 the distinct labels (a hybrid-LB endpoint shows only its local ranks, the
 lowest label being its offset).
@@ -24,7 +24,8 @@ class DiscoveryError(Exception):
 
 
 class Contradiction(DiscoveryError):
-    """The worker contradicts its configuration: never route to it as configured."""
+    """The worker contradicts its configuration, or reports a shape we cannot read:
+    never route to it as it stands (asking again would give the same answer)."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,7 @@ async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
     if worker.dialect in (None, "sglang"):
         info = await server_info(session, base)
         if info is not None:
-            ranks = info.get("dp_size")
-            if not isinstance(ranks, int) or ranks < 1:
-                raise DiscoveryError(f"{base}/server_info reports dp_size {ranks!r}")
-            return _settle(worker, sglang_found(info, ranks, await models(session, base)))
+            return _settle(worker, sglang_found(base, info, await models(session, base)))
         if worker.dialect == "sglang" and worker.dp_size is None:
             raise DiscoveryError(f"{base} answers neither /server_info nor /get_server_info")
     if worker.dialect in (None, "vllm"):
@@ -120,7 +118,40 @@ async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
     )
 
 
-def sglang_found(info: dict[str, Any], ranks: int, served: tuple[str, ...]) -> Discovered:
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def sglang_ranks(base: str, info: dict[str, Any]) -> tuple[int, bool]:
+    """Routable ranks behind an SGLang worker, and whether they step in lock-step.
+
+    Two shapes are in use. Older SGLang counts attention-DP ranks in ``dp_size``
+    with ``enable_dp_attention: true``. SGLang 0.5.23 moved that count to
+    ``attn_dp_size`` (``--attn-dp-size N``; the old flags resolve into it) and
+    reports ``dp_size: 1``: ``dp_size`` counts independent replicas again, and
+    ``enable_dp_attention`` is kept for old clients as ``attn_dp_size > 1``. A
+    body ``routed_dp_rank`` ranges over ``dp_size * attn_dp_size`` (SGLang's
+    ``num_dp_ranks``) in both. Anything else is refused with what it said.
+    """
+    dp: Any = info.get("dp_size")
+    attn: Any = info.get("attn_dp_size", 1)
+    flag = info.get("enable_dp_attention", False)
+    problem = None
+    if not (_positive(dp) and _positive(attn) and isinstance(flag, bool)):
+        problem = "dp_size and attn_dp_size must be positive integers, enable_dp_attention a bool"
+    elif dp > 1 and attn > 1:
+        problem = "SGLang runs data-parallel replicas or attention DP, not both"
+    elif attn > 1 and "enable_dp_attention" in info and not flag:
+        problem = "attention DP over several ranks, yet enable_dp_attention is false"
+    if problem is not None:
+        names = ("dp_size", "attn_dp_size", "enable_dp_attention")
+        seen = ", ".join(f"{k}={info[k]!r}" for k in names if k in info)
+        raise Contradiction(f"{base}/server_info reports {seen}: cannot read it ({problem})")
+    return dp * attn, flag or attn > 1
+
+
+def sglang_found(base: str, info: dict[str, Any], served: tuple[str, ...]) -> Discovered:
+    ranks, lock_step = sglang_ranks(base, info)
     mode = info.get("disaggregation_mode")
     port = info.get("disaggregation_bootstrap_port")
     tp = info.get("tp_size")
@@ -128,7 +159,7 @@ def sglang_found(info: dict[str, Any], ranks: int, served: tuple[str, ...]) -> D
         "sglang",
         ranks,
         0,
-        bool(info.get("enable_dp_attention")),
+        lock_step,
         served,
         tp_size=tp if isinstance(tp, int) else None,
         bootstrap_port=port if isinstance(port, int) else None,

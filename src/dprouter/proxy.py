@@ -32,7 +32,10 @@ from dprouter.registry import Registry
 from dprouter.relay import CUT, HOP_BY_HOP, UpstreamBroke, error, relay
 from dprouter.targets import DialectName, Outstanding, Target, Worker
 
-HOP_AND_AUTH = HOP_BY_HOP | {"authorization"}  # a client's API key is not the engine's
+# never forwarded: hop-by-hop headers, SGLang's override headers (see dialects), and
+# unless asked, the client's API key (it is not the engine's)
+NOT_FORWARDED = HOP_BY_HOP | dialects.OVERRIDE_HEADERS
+NOT_FORWARDED_WITH_AUTH = NOT_FORWARDED | {"authorization"}
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 NO_TIMER = contextlib.nullcontext()
 RETRY_BACKOFF_MAX = 1.0  # seconds, the longest wait between two attempts
@@ -79,7 +82,7 @@ async def admit(
     try:
         raw = await request.read()
         incoming = parse(raw, kind, request.headers)
-        dropped = HOP_BY_HOP if config.forward_authorization else HOP_AND_AUTH
+        dropped = NOT_FORWARDED if config.forward_authorization else NOT_FORWARDED_WITH_AUTH
         # a multidict: a header the client repeated goes on repeated, as it came
         headers = CIMultiDict(
             (k, v) for k, v in request.headers.items() if k.lower() not in dropped

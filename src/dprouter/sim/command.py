@@ -11,6 +11,7 @@ import click
 
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import (
+    LEGACY_SGLANG_DISPATCH,
     PD_MODES,
     SGLANG_DISPATCH,
     EngineConfig,
@@ -42,6 +43,7 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
         tp_size=o["tp_size"],
         dp_attention=o["dp_attention"],
         dispatch=o["dispatch"],
+        legacy_sglang=o["legacy_sglang"],
         stats_interval=o["stats_interval"],
         reserve_locally=o["reserve_locally"],
         model=o["model"],
@@ -69,9 +71,15 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
 @click.option("--dp-attention", is_flag=True, help="Ranks of an engine step in lock-step.")
 @click.option(
     "--dispatch",
-    type=click.Choice(SGLANG_DISPATCH),
+    type=click.Choice(list(dict.fromkeys(SGLANG_DISPATCH + LEGACY_SGLANG_DISPATCH))),
     default=None,
-    help="SGLang internal balancer (default round_robin).",
+    help="SGLang internal balancer (default round_robin; shortest_queue with --legacy-sglang).",
+)
+@click.option(
+    "--legacy-sglang",
+    is_flag=True,
+    help="Imitate SGLang before attn_dp_size: /server_info counts attention-DP ranks in "
+    "dp_size, /get_load answers (default: SGLang 0.5.23).",
 )
 @click.option(
     "--stats-interval",

@@ -11,8 +11,26 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Persona = Literal["vllm", "sglang"]
-Dispatch = Literal["vllm", "round_robin", "shortest_queue", "follow_bootstrap_room"]
-SGLANG_DISPATCH: tuple[Dispatch, ...] = ("round_robin", "shortest_queue", "follow_bootstrap_room")
+Dispatch = Literal[
+    "vllm",
+    "round_robin",
+    "total_requests",
+    "total_tokens",
+    "shortest_queue",
+    "follow_bootstrap_room",
+]
+# SGLang 0.5.23's --load-balance-method choices, and an older SGLang's
+SGLANG_DISPATCH: tuple[Dispatch, ...] = (
+    "round_robin",
+    "total_requests",
+    "total_tokens",
+    "follow_bootstrap_room",
+)
+LEGACY_SGLANG_DISPATCH: tuple[Dispatch, ...] = (
+    "round_robin",
+    "shortest_queue",
+    "follow_bootstrap_room",
+)
 
 
 @dataclass(frozen=True)
@@ -121,6 +139,9 @@ class EngineConfig:
     tp_size: int = 1
     dp_attention: bool = False
     dispatch: Dispatch | None = None  # None: the persona's default
+    # SGLang before attn_dp_size: /server_info counts attention-DP ranks in dp_size,
+    # /get_load answers, shortest_queue balances; otherwise SGLang 0.5.23
+    legacy_sglang: bool = False
     stats_interval: float = 0.1  # vLLM: coordinator publishes rank counts this often
     reserve_locally: bool = False  # vLLM >= 0.10 adds +1 waiting per dispatch between snapshots
     model: str = "sim-model"
@@ -139,11 +160,18 @@ class EngineConfig:
             raise ValueError("time_scale must be > 0")
         if self.persona == "vllm" and self.dispatch not in (None, "vllm"):
             raise ValueError(f"the vllm persona dispatches by load score, not {self.dispatch!r}")
-        if self.persona == "sglang" and self.dispatch not in (None, *SGLANG_DISPATCH):
-            raise ValueError(f"sglang dispatch must be one of {', '.join(SGLANG_DISPATCH)}")
+        if self.persona == "sglang" and self.dispatch not in (None, *self.dispatch_choices):
+            raise ValueError(
+                f"{'older ' if self.legacy_sglang else ''}sglang dispatch must be one of "
+                f"{', '.join(self.dispatch_choices)}, not {self.dispatch!r}"
+            )
         bad = [r for r in self.faults.slow_ranks if not 0 <= r < self.dp_size]
         if bad:
             raise ValueError(f"slow ranks {bad} out of range [0, {self.dp_size})")
+
+    @property
+    def dispatch_choices(self) -> tuple[Dispatch, ...]:
+        return LEGACY_SGLANG_DISPATCH if self.legacy_sglang else SGLANG_DISPATCH
 
     @property
     def dispatch_mode(self) -> Dispatch:

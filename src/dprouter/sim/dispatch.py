@@ -74,6 +74,36 @@ class ShortestQueue:
         return best
 
 
+class SglangBudget:
+    """SGLang 0.5.23's ``total_requests`` / ``total_tokens``: the rank with the fewest
+    running + waiting requests (or tokens, requests breaking ties), first minimum wins.
+
+    The counts are re-read from the schedulers at most every ``interval`` seconds (20 ms
+    in SGLang); each pick adds its request (and prompt tokens) to the chosen rank until
+    the next read replaces them, so a burst spreads instead of landing on one rank.
+    """
+
+    def __init__(self, tokens: bool, interval: float = 0.02) -> None:
+        self.tokens = tokens
+        self.interval = interval
+        self.requests: list[int] = []
+        self.token_counts: list[int] = []
+        self.read = float("-inf")
+
+    def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
+        if now - self.read >= self.interval:
+            self.requests = [r.num_running + r.num_waiting for r in ranks]
+            self.token_counts = [r.kv_used + sum(w.prompt_len for w in r.waiting) for r in ranks]
+            self.read = now
+        if self.tokens:
+            best = min(range(len(ranks)), key=lambda i: (self.token_counts[i], self.requests[i]))
+        else:
+            best = self.requests.index(min(self.requests))
+        self.requests[best] += 1
+        self.token_counts[best] += req.prompt_len
+        return best
+
+
 class FollowBootstrapRoom:
     """SGLang ``follow_bootstrap_room`` (P/D default): rank = room % dp_size."""
 
@@ -94,4 +124,6 @@ def make_dispatcher(config: EngineConfig) -> Dispatcher:
         return RoundRobin()
     if mode == "shortest_queue":
         return ShortestQueue()
+    if mode in ("total_requests", "total_tokens"):
+        return SglangBudget(tokens=mode == "total_tokens")
     return FollowBootstrapRoom()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dprouter.sim.config import EngineConfig
 from dprouter.sim.generation import handle
 from dprouter.sim.rank import Rank
 
@@ -83,39 +84,59 @@ def _pending_tokens(rank: Rank) -> int:
 
 
 def _load(rank: Rank) -> dict[str, Any]:
+    """One rank's entry of SGLang 0.5.23's ``/v1/loads`` (its core fields that the
+    model knows; a waiting prompt counts as uncached until it is scheduled)."""
     stats = rank.stats
     queries = stats.prefix_queries
+    pending = _pending_tokens(rank)
     return {
+        "timestamp": time.time(),
         "dp_rank": rank.index,
         "num_running_reqs": rank.num_running,
         "num_waiting_reqs": rank.num_waiting,
+        "num_waiting_uncached_tokens": pending,
         "num_used_tokens": rank.kv_used,
-        "num_total_tokens": rank.kv_used + _pending_tokens(rank),
+        "num_total_tokens": rank.kv_used + pending,
         "max_total_num_tokens": rank.limits.kv_tokens,
+        "max_running_requests": rank.limits.max_running,
         "token_usage": rank.kv_usage,
         "cache_hit_rate": stats.prefix_hits / queries if queries else 0.0,
-        "max_running_requests": rank.limits.max_running,
-        "num_total_reqs": rank.num_running + rank.num_waiting,
+    }
+
+
+def server_args(config: EngineConfig, bootstrap_port: int | None) -> dict[str, Any]:
+    """What ``/server_info`` says of the engine's shape, in the SGLang version imitated.
+
+    SGLang 0.5.23 counts attention-DP ranks in ``attn_dp_size`` and reports ``dp_size: 1``
+    for them (``enable_dp_attention`` kept for old clients); older SGLang counted them in
+    ``dp_size`` with ``enable_dp_attention`` and had no ``attn_dp_size``.
+    """
+    c = config
+    if c.legacy_sglang:
+        shape: dict[str, Any] = {"dp_size": c.dp_size, "enable_dp_attention": c.dp_attention}
+    elif c.dp_attention:
+        shape = {"dp_size": 1, "attn_dp_size": c.dp_size, "enable_dp_attention": c.dp_size > 1}
+    else:
+        shape = {"dp_size": c.dp_size, "attn_dp_size": 1, "enable_dp_attention": False}
+    # model_path and tokenizer_path are left out on purpose: peers that see them
+    # try to download a tokenizer from a model hub
+    return {
+        "served_model_name": c.model,
+        "tp_size": c.tp_size,
+        **shape,
+        "load_balance_method": c.dispatch_mode,
+        "disaggregation_mode": c.pd.role if c.pd else "null",
+        "disaggregation_bootstrap_port": bootstrap_port,
+        "page_size": c.limits.block_size,
+        "max_running_requests": c.limits.max_running,
+        "chunked_prefill_size": c.cost.max_batched_tokens,
     }
 
 
 def sglang_routes(server: SimServer) -> list[web.RouteDef]:
     def info() -> dict[str, Any]:
         c = server.config
-        # model_path and tokenizer_path are left out on purpose: peers that see them
-        # try to download a tokenizer from a model hub
-        args: dict[str, Any] = {
-            "served_model_name": c.model,
-            "tp_size": c.tp_size,
-            "dp_size": c.dp_size,
-            "enable_dp_attention": c.dp_attention,
-            "load_balance_method": c.dispatch_mode,
-            "disaggregation_mode": c.pd.role if c.pd else "null",
-            "disaggregation_bootstrap_port": server.pd.bootstrap_port if server.pd else None,
-            "page_size": c.limits.block_size,
-            "max_running_requests": c.limits.max_running,
-            "chunked_prefill_size": c.cost.max_batched_tokens,
-        }
+        args = server_args(c, server.pd.bootstrap_port if server.pd else None)
         states = [
             {
                 **args,
@@ -143,21 +164,16 @@ def sglang_routes(server: SimServer) -> list[web.RouteDef]:
         wanted = request.query.get("dp_rank")
         if wanted is not None:
             if not wanted.lstrip("-").isdigit():
-                return web.json_response({"error": "dp_rank must be an integer"}, status=400)
+                detail = [{"type": "int_parsing", "loc": ["query", "dp_rank"], "input": wanted}]
+                return web.json_response({"detail": detail}, status=422)  # FastAPI's answer
             ranks = [r for r in ranks if r.index == int(wanted)]
-        per_rank = [_load(r) for r in ranks]
-        aggregate = {
-            "total_running_reqs": sum(x["num_running_reqs"] for x in per_rank),
-            "total_waiting_reqs": sum(x["num_waiting_reqs"] for x in per_rank),
-            "total_used_tokens": sum(x["num_used_tokens"] for x in per_rank),
-        }
         return web.json_response(
             {
                 "timestamp": datetime.now(UTC).isoformat(),
                 "version": VERSION,
-                "dp_rank_count": server.config.dp_size,
-                "loads": per_rank,
-                "aggregate": aggregate,
+                "accelerator": None,
+                "num_accelerators": server.config.tp_size,
+                "loads": [_load(r) for r in ranks],
             }
         )
 
@@ -195,8 +211,9 @@ def sglang_routes(server: SimServer) -> list[web.RouteDef]:
         web.get("/server_info", server_info),
         web.get("/get_server_info", server_info),
         web.get("/v1/loads", loads),
-        web.get("/get_load", get_load),
         web.post("/generate", generate),
         web.get("/health_generate", health_generate),
         web.post("/abort_request", abort_request),
+        # SGLang 0.5.23 answers /get_load with 404
+        *([web.get("/get_load", get_load)] if server.config.legacy_sglang else []),
     ]

@@ -88,7 +88,9 @@ class Generation:
         if message is not None:
             return self.fail(404, message, "NotFoundError", "model")
         try:
-            rank = server.persona.pinned_rank(self.request.headers, body, server.config.dp_size)
+            rank = server.persona.pinned_rank(
+                self.request.headers, body, server.config.dp_size, self.kind
+            )
         except RankError as exc:
             server.record(self.request, body, None)
             return await self.stream_fail(str(exc)) if parsed.stream else self.fail(400, str(exc))

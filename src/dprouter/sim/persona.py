@@ -20,7 +20,7 @@ class Persona(Protocol):
     ) -> dict[str, Any]: ...
 
     def pinned_rank(
-        self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int
+        self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int, kind: Kind
     ) -> int | None: ...
 
     def model_error(self, model: str | None, served: str) -> str | None: ...
@@ -37,7 +37,7 @@ class VllmPersona:
         return {"error": {"message": message, "type": etype, "param": param, "code": status}}
 
     def pinned_rank(
-        self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int
+        self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int, kind: Kind
     ) -> int | None:
         raw = headers.get("X-data-parallel-rank")
         if raw is None:
@@ -57,7 +57,9 @@ class VllmPersona:
 
 
 class SglangPersona:
-    """SGLang: body ``routed_dp_rank`` (older ``data_parallel_rank``); header overrides."""
+    """SGLang: body ``routed_dp_rank`` (older ``data_parallel_rank``). On its OpenAI
+    endpoints the header ``X-Data-Parallel-Rank`` overrides the body; ``/generate``
+    ignores that header (SGLang 0.5.23, checked against the real engine)."""
 
     name = "sglang"
 
@@ -75,9 +77,9 @@ class SglangPersona:
         }
 
     def pinned_rank(
-        self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int
+        self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int, kind: Kind
     ) -> int | None:
-        raw = headers.get("X-Data-Parallel-Rank")
+        raw = None if kind == "generate" else headers.get("X-Data-Parallel-Rank")
         rank: Any
         if raw is not None:
             try:
