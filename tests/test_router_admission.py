@@ -59,7 +59,7 @@ async def test_beyond_the_cap_requests_queue_in_order_and_beyond_the_queue_get_4
     assert await until(lambda: admission.waiting == 2)
     status, body, retry = await send(4)  # cap and queue both full: refused at once
     assert (status, retry) == (429, "1")
-    assert body["error"]["type"] == "rate_limit_exceeded"  # type: ignore[index]
+    assert body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
     assert "capacity" in body["error"]["message"]  # type: ignore[index]
     assert held.seen == [0, 1]  # the queued ones have not reached the engine
     held.release.set()

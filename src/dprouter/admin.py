@@ -72,13 +72,10 @@ def admin_routes(token: str | None, registry: Registry, monitor: Monitor) -> lis
             return error(
                 403,
                 "the admin API is off: start the router with an admin token",
-                "permission_error",
             )
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            return error(
-                401, "admin calls need Authorization: Bearer <admin token>", "authentication_error"
-            )
+            return error(401, "admin calls need Authorization: Bearer <admin token>")
         return None
 
     async def add(request: web.Request) -> web.Response:
@@ -92,7 +89,7 @@ def admin_routes(token: str | None, registry: Registry, monitor: Monitor) -> lis
             worker = registry.add(worker_from_spec(spec, registry))
         except (orjson.JSONDecodeError, ConfigError, ValueError, TypeError) as exc:
             status = 409 if "already registered" in str(exc) else 400
-            return error(status, str(exc), "invalid_request_error")
+            return error(status, str(exc))
         monitor.watch(worker)
         wait = request.query.get("wait")
         if wait is not None:
@@ -113,7 +110,7 @@ def admin_routes(token: str | None, registry: Registry, monitor: Monitor) -> lis
             return refused
         worker_id = request.match_info["worker_id"]
         if worker_id not in registry.workers:
-            return error(404, f"no worker {worker_id!r}", "not_found_error")
+            return error(404, f"no worker {worker_id!r}")
         monitor.forget(worker_id)
         worker = registry.remove(worker_id)
         return web.json_response({"removed": worker.id, "url": worker.url}, dumps=_dumps)

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dprouter.admin import admin_routes, worker_from_spec
 from dprouter.admission import Admission, AdmissionOptions
+from dprouter.attempts import Rules
 from dprouter.breaker import BreakerOptions, Breakers
 from dprouter.config import RouterConfig, validate
 from dprouter.httplog import quiet_malformed
@@ -99,7 +100,7 @@ def build_app(
         if refused is not None:
             parts.metrics.rejected.labels("overloaded").inc()
             message = f"the router is at capacity ({refused}); retry later"
-            return error(429, message, "rate_limit_exceeded", headers={"Retry-After": "1"})
+            return error(429, message, headers={"Retry-After": "1"})
         try:  # a stream holds its slot until its last byte
             return await parts.proxy.handle(request, kind)
         finally:
@@ -129,9 +130,7 @@ def build_app(
         roles: tuple[Role, ...] = ("prefill", "decode") if config.pd else ("regular",)
         if all(snapshot.pool(role) for role in roles):
             return web.json_response({"status": "ready"})
-        return error(
-            503, f"no ready worker yet for {' and '.join(roles)}", "ServiceUnavailableError"
-        )
+        return error(503, f"no ready worker yet for {' and '.join(roles)}")
 
     description = describe()
 
@@ -164,20 +163,19 @@ async def _last_resort(request: web.Request, handler: Handler) -> web.StreamResp
     try:
         return await handler(request)
     except web.HTTPNotFound:
-        return error(404, f"no route {request.path}", "not_found_error")
+        return error(404, f"no route {request.path}")
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
         return error(
             405,
             f"{request.method} is not allowed on {request.path}; use {allowed}",
-            "invalid_request_error",
             headers={"Allow": allowed},
         )
     except web.HTTPException:
         raise
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
-        return error(500, "internal router error (logged)", "internal_error")
+        return error(500, "internal router error (logged)")
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -210,6 +208,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.registry, config.registration, config.heartbeat_timeout, parts.monitor.forget
         )
         await parts.registration.start()
+    rules = Rules(
+        session,
+        parts.breakers,
+        parts.metrics,
+        parts.monitor.suspect,
+        limit=config.attempts,
+        backoff=config.retry_backoff,
+        connect_timeout=config.connect_timeout,
+        first_byte_timeout=config.first_byte_timeout,
+        seed=config.seed,
+    )
     if config.pd is not None:
         parts.proxy = PairProxy(
             config,
@@ -217,20 +226,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             make_policy(config.role_policy("prefill"), config.policy_options()),
             make_policy(config.role_policy("decode"), config.policy_options()),
             parts.metrics,
-            session,
-            parts.monitor.suspect,
-            parts.breakers,
+            rules,
         )
     else:
-        parts.proxy = Proxy(
-            config,
-            parts.registry,
-            parts.policy,
-            parts.metrics,
-            session,
-            unreachable=parts.monitor.suspect,
-            breakers=parts.breakers,
-        )
+        parts.proxy = Proxy(config, parts.registry, parts.policy, parts.metrics, rules)
     await parts.monitor.start()
     try:
         yield

@@ -38,6 +38,10 @@ class Breakers:
         self._trial: set[Target] = set()  # half-open: the next outcome decides
         self._timers: dict[Target, asyncio.TimerHandle] = {}
 
+    def failures(self, target: Target) -> int:
+        """Failures in a row of ``target`` since its last success."""
+        return self._failures.get(target, 0)
+
     def succeeded(self, target: Target) -> None:
         if self._failures:  # the common case, nothing failed lately, costs one test
             self._failures.pop(target, None)

@@ -42,12 +42,22 @@ def client_rank(headers: Mapping[str, str], body: Mapping[str, Any]) -> int | No
             except ValueError:
                 raise BadRequest(f"{name} must be an integer, got {value!r}", name) from None
     for field in RANK_FIELDS[:2]:
-        rank = body.get(field)
+        rank = _rank_field(body, field)
         if rank is not None:
-            if isinstance(rank, bool) or not isinstance(rank, int):
-                raise BadRequest(f"{field} must be an integer, got {rank!r}", field)
             return rank
     return None
+
+
+def client_prefill_rank(body: Mapping[str, Any]) -> int | None:
+    """P/D: the prefill rank a (trusted) client named, in SGLang's field for it."""
+    return _rank_field(body, "disagg_prefill_dp_rank")
+
+
+def _rank_field(body: Mapping[str, Any], field: str) -> int | None:
+    rank = body.get(field)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise BadRequest(f"{field} must be an integer, got {rank!r}", field)
+    return rank
 
 
 def strip_client_rank(headers: MutableMapping[str, str], body: dict[str, Any]) -> bool:

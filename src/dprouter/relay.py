@@ -45,24 +45,38 @@ class UpstreamBroke(Exception):
     """The engine failed before any byte reached the client."""
 
 
-def error_body(status: int, message: str, etype: str, param: str | None = None) -> bytes:
+# The router's own errors follow OpenAI's shape and its lower-case ``*_error`` types, one
+# type per status, so that a type is never at odds with its status.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    etype = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
     error = {"message": message, "type": etype, "param": param, "code": status}
     return orjson.dumps({"error": error})
 
 
 def error(
-    status: int,
-    message: str,
-    etype: str,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> web.Response:
-    body = error_body(status, message, etype, param)
+    body = error_body(status, message, param)
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
-def sse_error(status: int, message: str, etype: str) -> bytes:
-    return b"data: " + error_body(status, message, etype) + b"\n\ndata: [DONE]\n\n"
+def sse_error(status: int, message: str) -> bytes:
+    return b"data: " + error_body(status, message) + b"\n\ndata: [DONE]\n\n"
 
 
 async def relay(
@@ -134,5 +148,5 @@ async def _stream(
         )
         resp[CUT] = True
         gap = b"" if tail == b"\n\n" else b"\n\n"  # end a half-written event first
-        await resp.write(gap + sse_error(502, message, "upstream_error"))
+        await resp.write(gap + sse_error(502, message))
     await resp.write_eof()

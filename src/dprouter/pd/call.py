@@ -1,41 +1,30 @@
-"""What every P/D flow shares: the request in hand, sending one leg, failing a pair."""
+"""What every P/D flow shares: the request in hand, sending one leg, the engine's answer."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from dprouter import dialects
+from dprouter.attempts import Failed, Rules, Side
 from dprouter.cancel import Aborter
+from dprouter.inbound import ClientRequest
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Incoming
-from dprouter.proxy import RETRY_STATUS
 from dprouter.relay import UpstreamBroke, relay
-from dprouter.targets import Target, Worker
+from dprouter.targets import Target
 
-Side = Literal["prefill", "decode"]
 PREFILL_HEADER = "x-dprouter-prefill"
 
 
-class PairFailed(Exception):
-    """One leg failed before any byte reached the client: the pair may be chosen again."""
-
-    def __init__(self, side: Side, target: Target, cause: str, message: str) -> None:
-        super().__init__(f"{side} {target.label}: {message}")
-        self.side = side
-        self.target = target
-        self.cause = cause
-
-
-class Refused(Exception):
-    """An engine refused the request itself (a client error): the client hears its answer."""
+class Answered(Exception):
+    """A prefill engine answered with something other than success that the client is to
+    hear itself (a request it refuses, or any answer on the last chance)."""
 
     def __init__(self, status: int, body: bytes, content_type: str) -> None:
         super().__init__(f"HTTP {status}")
@@ -54,21 +43,24 @@ class Call:
     """One client request on its way through a P/D flow."""
 
     request: web.Request
-    incoming: Incoming
-    headers: CIMultiDict[str]  # to forward (hop-by-hop, Authorization and client ranks gone)
+    client: ClientRequest
     started: float
-    session: aiohttp.ClientSession
-    metrics: RouterMetrics
-    unreachable: Any  # Callable[[Worker], None]: a refused connection takes a worker out
+    rules: Rules
     aborter: Aborter  # SGLang: a client that leaves aborts its request on the engines
-    first_byte: float = 0.0  # seconds a leg's answer may take to start; 0: no such limit
+    # per attempt: would a failure of this side be tried again elsewhere?
+    last_chance: dict[Side, bool] = field(default_factory=dict)
+
+    @property
+    def incoming(self) -> Incoming:
+        return self.client.incoming
 
     @property
     def body(self) -> dict[str, Any]:
-        return self.incoming.body
+        return self.client.incoming.body
 
-    def gone(self, worker: Worker) -> None:
-        self.unreachable(worker)
+    @property
+    def metrics(self) -> RouterMetrics:
+        return self.rules.metrics
 
     async def send(
         self,
@@ -77,27 +69,20 @@ class Call:
         body: dict[str, Any],
         headers: dict[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
-        """Post one leg with the target's rank in its dialect; a connection that fails or a
-        retryable status raises ``PairFailed``; any other answer is returned."""
-        sent, payload = self.headers.copy(), dict(body)
+        """Post one leg with the target's rank in its dialect, under the attempt rules:
+        ``Failed`` when it is to be tried elsewhere, else the answer, whatever its status."""
+        sent, payload = self.client.headers.copy(), dict(body)
         sent.update(headers or {})
         if side == "prefill":  # its answer is read here, as JSON: not compressed
             sent["Accept-Encoding"] = "identity"
         dialects.write_rank(target.worker.dialect or "vllm", target.rank, sent, payload)
-        url = target.worker.url + self.request.path_qs
+        path = self.request.path_qs
+        resp = await self.rules.post(target, path, orjson.dumps(payload), sent, side)
         try:
-            async with asyncio.timeout(self.first_byte or None):
-                resp = await self.session.post(url, data=orjson.dumps(payload), headers=sent)
-        except aiohttp.ClientConnectorError as exc:
-            self.gone(target.worker)
-            raise PairFailed(side, target, "connect", f"cannot connect ({exc.os_error})") from exc
-        except aiohttp.ConnectionTimeoutError as exc:  # the leg never left: it may go again
-            raise PairFailed(side, target, "connect_timeout", "no connection in time") from exc
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise PairFailed(side, target, "no_answer", f"{type(exc).__name__} {exc}") from exc
-        if resp.status in RETRY_STATUS:
-            text = await _text(resp)
-            raise PairFailed(side, target, f"status_{resp.status}", f"HTTP {resp.status} {text}")
+            self.rules.judge(target, resp, self.last_chance.get(side, True))
+        except Failed as failure:
+            failure.side = side
+            raise
         return resp
 
     async def drain(self, target: Target, resp: aiohttp.ClientResponse) -> bytes:
@@ -106,7 +91,7 @@ class Call:
             async with resp:
                 return await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise PairFailed("prefill", target, "broken_body", f"answer broke off: {exc}") from exc
+            raise Failed(target, "broken_body", f"answer broke off: {exc}", "prefill") from exc
 
     async def prefill_answer(self, target: Target, resp: aiohttp.ClientResponse) -> Any:
         """The whole answer of a prefill leg, as JSON."""
@@ -114,31 +99,25 @@ class Call:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise PairFailed("prefill", target, "broken_body", f"answer unreadable: {exc}") from exc
+            raise Failed(target, "broken_body", f"answer unreadable: {exc}", "prefill") from exc
 
     async def finish(
-        self, decode: Target, upstream: aiohttp.ClientResponse, prefill: Target
+        self, target: Target, upstream: aiohttp.ClientResponse, prefill: Target
     ) -> web.StreamResponse:
-        """Relay the decode leg's answer to the client."""
+        """Relay the answer of the decode leg (or of a prefill leg that answers the client
+        itself) to the client."""
         try:
-            resp = await relay(
+            return await relay(
                 self.request,
                 upstream,
-                decode,
-                self.metrics.series(decode),
+                target,
+                self.metrics.series(target),
                 self.started,
                 {PREFILL_HEADER: prefill.label},
             )
         except UpstreamBroke as exc:
-            raise PairFailed("decode", decode, "broken_body", str(exc)) from exc
-        return resp
-
-
-async def _text(resp: aiohttp.ClientResponse) -> str:
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-        async with resp:
-            return (await resp.text())[:200]
-    return ""
+            side: Side = "prefill" if target is prefill else "decode"
+            raise Failed(target, "broken_body", str(exc), side) from exc
 
 
 async def cancel(task: asyncio.Task[Any]) -> None:

@@ -6,8 +6,8 @@ real decode engine answers its headers at once and only then waits for the
 KV, so an answer that started is no proof the prefill worked. If the prefill
 leg fails, the decode leg is cancelled (its connection closed, so the engine
 drops it) and the pair fails -- no decode left hanging, no error lost. A
-prefill that refuses the request itself (a 4xx other than 408/429) answers
-the client directly.
+prefill answer the attempt rules do not retry (a request the engine refuses, or
+any answer on the last chance) reaches the client as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from dprouter.pd.call import Call, PairFailed, Refused, cancel
+from dprouter.attempts import Failed
+from dprouter.pd.call import Answered, Call, cancel
 from dprouter.targets import Outstanding, Target
 
 
@@ -36,12 +37,11 @@ async def run_both(
         with Outstanding(prefill, tokens):
             resp = await call.send("prefill", prefill, prefill_body, headers)
             raw = await call.drain(prefill, resp)
-            if 400 <= resp.status < 500:
-                raise Refused(resp.status, raw, resp.headers.get("Content-Type", ""))
-            # a streamed prefill reports its failure inside the stream
-            if resp.status != 200 or raw.startswith(b'data: {"error"'):
+            if resp.status != 200:
+                raise Answered(resp.status, raw, resp.headers.get("Content-Type", ""))
+            if raw.startswith(b'data: {"error"'):  # a streamed prefill fails inside the stream
                 text = raw[:200].decode(errors="replace")
-                raise PairFailed("prefill", prefill, f"status_{resp.status}", text)
+                raise Failed(prefill, "error_event", text, "prefill")
         call.metrics.series(prefill).answered(200)
 
     ptask = asyncio.create_task(prefill_leg())
@@ -52,10 +52,10 @@ async def run_both(
             if ptask.done() and (failure := ptask.exception()) is not None:
                 raise failure
             upstream: aiohttp.ClientResponse = dtask.result()  # raises if the decode leg failed
-        except Refused as refused:
+        except Answered as answered:
             await cancel(dtask)
-            call.metrics.series(prefill).answered(refused.status)
-            return refused.response()
+            call.metrics.series(prefill).answered(answered.status)
+            return answered.response()
         except BaseException:
             await cancel(ptask)
             await cancel(dtask)

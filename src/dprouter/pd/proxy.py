@@ -1,9 +1,11 @@
 """The P/D request path: pick a prefill target and a decode target, run the flow.
 
 Each role has its own policy over its own flat slot space (workers of one role
-may differ in dp and tp); ``Pairing`` keeps the two from locking together.
-Before the first byte reaches the client a failed pair is chosen again
-without the target that failed.
+may differ in dp and tp); ``Pairing`` keeps the two from locking together. A
+failed leg follows the same rules as a plain attempt (``attempts``): the pair is
+chosen again without the target that failed, before any byte reached the client.
+A trusted client (``--trust-client-rank``) names the decode rank as it would a
+plain request's, and the prefill rank in SGLang's ``disagg_prefill_dp_rank``.
 """
 
 from __future__ import annotations
@@ -14,22 +16,21 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from functools import partial
 
-import aiohttp
 from aiohttp import web
 
-from dprouter.breaker import Breakers
+from dprouter.attempts import Failed, Rules
 from dprouter.cancel import Aborter
 from dprouter.config import RouterConfig
+from dprouter.inbound import ClientRequest, read_request
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Kind
 from dprouter.pd import moriio, nixl, sglang
-from dprouter.pd.call import Call, PairFailed, Side
+from dprouter.pd.call import Call
 from dprouter.pd.pairing import Pairing
 from dprouter.policies import Policy, RequestInfo
-from dprouter.proxy import admit, back_off, untried
 from dprouter.registry import Registry
-from dprouter.relay import CUT, error
-from dprouter.targets import Target, Worker
+from dprouter.relay import error
+from dprouter.targets import Role, Target
 
 Flow = Callable[[Call, Target, Target], Awaitable[web.StreamResponse]]
 
@@ -42,18 +43,14 @@ class PairProxy:
         prefill_policy: Policy,
         decode_policy: Policy,
         metrics: RouterMetrics,
-        session: aiohttp.ClientSession,
-        unreachable: Callable[[Worker], None],
-        breakers: Breakers | None = None,
+        rules: Rules,
     ) -> None:
         self.config = config
-        self.breakers = breakers or Breakers(registry)
-        self.aborter = Aborter(session)  # SGLang: a client that leaves aborts both legs
         self.registry = registry
         self.pairing = Pairing(prefill_policy, decode_policy)
         self.metrics = metrics
-        self.session = session
-        self.unreachable = unreachable
+        self.rules = rules
+        self.aborter = Aborter(rules.session)  # SGLang: a client that leaves aborts both legs
         flows: dict[str, Flow] = {
             "vllm-nixl": nixl.run,
             "vllm-moriio": moriio.run,
@@ -61,77 +58,68 @@ class PairProxy:
         }
         assert config.pd is not None
         self.flow = flows[config.pd]
-        self.jitter = random.Random(config.seed)
 
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
-        admitted = await admit(request, kind, self.config, self.metrics)
-        if isinstance(admitted, web.Response):
-            return admitted
-        _, incoming, headers, _, _ = admitted
+        client = await read_request(request, kind, self.config, self.metrics)
+        if isinstance(client, web.Response):
+            return client
         if kind == "generate" and self.config.pd != "sglang":
-            return error(
-                404,
-                f"/generate is SGLang's own; this router runs {self.config.pd}",
-                "NotFoundError",
-            )
-        pools = self._pools(incoming.model)
+            return error(404, f"/generate is SGLang's own; this router runs {self.config.pd}")
+        pools = self._pools(client)
         if isinstance(pools, web.Response):
             return pools
-        call = Call(
-            request,
-            incoming,
-            headers,
-            started,
-            self.session,
-            self.metrics,
-            self.unreachable,
-            self.aborter,
-            self.config.first_byte_timeout,
+        incoming = client.incoming
+        call = Call(request, client, started, self.rules, self.aborter)
+        info = RequestInfo(
+            key=incoming.key, text=incoming.text, tokens=incoming.tokens, now=started
         )
-        info = RequestInfo(incoming.key, incoming.text, incoming.tokens, started)
-        tried: dict[Side, list[Target]] = {"prefill": [], "decode": []}
-        unopened: dict[Side, list[Target]] = {"prefill": [], "decode": []}  # the leg never left
-        last = "no attempt was made"
-        for attempt in range(self.config.attempts):
-            prefills = untried(pools[0], tried["prefill"], unopened["prefill"])
-            decodes = untried(pools[1], tried["decode"], unopened["decode"])
+        attempts = self.rules.start()
+        while True:
+            prefills = attempts.candidates(pools[0])
+            decodes = attempts.candidates(pools[1])
             if not prefills or not decodes:
                 break
-            if attempt:
-                await back_off(attempt, self.config.retry_backoff, self.jitter)
-            prefill, decode = self.pairing.choose(
-                prefills, decodes, replace(info, attempt=attempt), incoming.model
-            )
+            if attempts.tried:
+                await attempts.pause()
+                info = replace(info, attempt=len(attempts.tried))
+            prefill, decode = self.pairing.choose(prefills, decodes, info, incoming.model)
+            call.last_chance = {
+                "prefill": attempts.last_chance(prefills),
+                "decode": attempts.last_chance(decodes),
+            }
             try:
                 answer = await self.flow(call, prefill, decode)
-            except PairFailed as failed:
-                self.metrics.series(failed.target).failed(failed.cause)
-                if failed.cause not in ("status_408", "status_429"):  # busy is not broken
-                    self.breakers.failed(failed.target)
-                tried[failed.side].append(failed.target)
-                if failed.cause == "connect_timeout":
-                    unopened[failed.side].append(failed.target)
-                last = str(failed)
+            except Failed as failure:
+                attempts.failed(failure)
                 continue
-            if answer.get(CUT):  # the decode leg's stream broke off after its headers
-                self.breakers.succeeded(prefill)
-                self.breakers.failed(decode)
-            elif answer.status < 500:
-                self.breakers.succeeded(prefill)
-                self.breakers.succeeded(decode)
+            attempts.answered(answer, prefill, decode)
             return answer
-        self.metrics.rejected.labels("upstream_failed").inc()
-        return error(502, f"every prefill/decode pair failed; last: {last}", "upstream_error")
+        return attempts.give_up("prefill/decode pair")
 
-    def _pools(self, model: str | None) -> tuple[Sequence[Target], Sequence[Target]] | web.Response:
+    def _pools(
+        self, client: ClientRequest
+    ) -> tuple[Sequence[Target], Sequence[Target]] | web.Response:
         snapshot = self.registry.snapshot
-        prefills, decodes = snapshot.pool("prefill", model), snapshot.pool("decode", model)
-        if prefills and decodes:
-            return prefills, decodes
+        model = client.incoming.model
+        pinned: dict[Role, int | None] = {
+            "prefill": client.pinned_prefill,
+            "decode": client.pinned,
+        }
+        pools: list[Sequence[Target]] = []
+        for role in ("prefill", "decode"):
+            pool = snapshot.pool(role, model)
+            rank = pinned[role]
+            if pool and rank is not None:
+                pool = tuple(t for t in pool if t.rank == rank)
+                if not pool:
+                    return error(400, f"no {role} target has dp_rank {rank}")
+            pools.append(pool)
+        if pools[0] and pools[1]:
+            return pools[0], pools[1]
         if model is not None and snapshot.pool("prefill") and snapshot.pool("decode"):
             self.metrics.rejected.labels("unknown_model").inc()
-            return error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            return error(404, f"The model `{model}` does not exist.", "model")
         self.metrics.rejected.labels("no_target").inc()
-        missing = "prefill" if not prefills else "decode"
-        return error(503, f"no ready {missing} worker to route to", "ServiceUnavailableError")
+        missing = "prefill" if not pools[0] else "decode"
+        return error(503, f"no ready {missing} worker to route to")

@@ -7,7 +7,8 @@ from typing import Any
 
 from aiohttp import web
 
-from dprouter.pd.call import Call, PairFailed
+from dprouter.attempts import Failed
+from dprouter.pd.call import Call
 from dprouter.targets import Outstanding, Target
 
 DecodeBody = Callable[[dict[str, Any]], dict[str, Any]]  # the prefill's kv_transfer_params in
@@ -24,13 +25,13 @@ async def run_in_turn(
     tokens = call.incoming.tokens
     with Outstanding(prefill, tokens):
         resp = await call.send("prefill", prefill, prefill_body, headers)
-        if resp.status != 200:  # the request itself is wrong: the client hears the engine
+        if resp.status != 200:  # not retried (see attempts): the client hears the engine
             return await call.finish(prefill, resp, prefill)
         answer = await call.prefill_answer(prefill, resp)
     call.metrics.series(prefill).answered(200)
     kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     if not isinstance(kv, dict):
-        raise PairFailed("prefill", prefill, "no_kv", "answered without kv_transfer_params")
+        raise Failed(prefill, "no_kv", "answered without kv_transfer_params", "prefill")
     with Outstanding(decode, tokens):
         upstream = await call.send("decode", decode, decode_body(kv), headers)
         return await call.finish(decode, upstream, prefill)

@@ -1,0 +1,60 @@
+"""A client request as the router takes it in: parsed, checked, and what goes on.
+
+Plain and P/D paths both start here, so a header or a field is dropped the same
+way on every path: hop-by-hop headers, SGLang's override headers, the client's
+API key unless the router forwards it, and a client's rank unless trusted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from dprouter import dialects
+from dprouter.config import RouterConfig
+from dprouter.metrics import RouterMetrics
+from dprouter.parse import BadRequest, Incoming, Kind, parse
+from dprouter.relay import HOP_BY_HOP, error
+
+NOT_FORWARDED = HOP_BY_HOP | dialects.OVERRIDE_HEADERS
+NOT_FORWARDED_WITH_AUTH = NOT_FORWARDED | {"authorization"}  # a client's key is not the engine's
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    raw: bytes  # the body as it came: forwarded as is when nothing in it changes
+    incoming: Incoming
+    headers: CIMultiDict[str]  # to forward; a header the client repeated stays repeated
+    pinned: int | None  # the rank a trusted client named (P/D: the decode's)
+    pinned_prefill: int | None  # P/D: the prefill rank a trusted client named
+    changed: bool  # a client rank field was removed from the body
+
+
+async def read_request(
+    request: web.Request, kind: Kind, config: RouterConfig, metrics: RouterMetrics
+) -> ClientRequest | web.Response:
+    """The request, or the error to answer with (nothing reached an engine)."""
+    try:
+        raw = await request.read()
+        incoming = parse(raw, kind, request.headers)
+        dropped = NOT_FORWARDED if config.forward_authorization else NOT_FORWARDED_WITH_AUTH
+        headers = CIMultiDict(
+            (k, v) for k, v in request.headers.items() if k.lower() not in dropped
+        )
+        pinned = prefill = None
+        if config.trust_client_rank:
+            pinned = dialects.client_rank(headers, incoming.body)
+            if config.pd is None:  # a rankless target passes the client's rank to its engine
+                return ClientRequest(raw, incoming, headers, pinned, None, changed=False)
+            # P/D: the ranks pick the pair; each leg then carries its own target's rank
+            prefill = dialects.client_prefill_rank(incoming.body)
+        changed = dialects.strip_client_rank(headers, incoming.body)
+        return ClientRequest(raw, incoming, headers, pinned, prefill, changed)
+    except web.HTTPRequestEntityTooLarge:
+        metrics.rejected.labels("too_large").inc()
+        return error(413, f"request body exceeds {config.max_body} bytes")
+    except BadRequest as exc:
+        metrics.rejected.labels("bad_request").inc()
+        return error(exc.status, exc.message, exc.param)
