@@ -497,3 +497,44 @@ async def test_a_decode_leg_whose_connection_does_not_open_in_time_goes_again(
         assert len(seen) == 1
         text = await (await http.get(router.url + "/metrics")).text()
         assert 'cause="connect_timeout",dp_rank="",role="decode",worker="d0"} 1.0' in text
+
+
+@pytest.mark.parametrize("mode", ["sglang", "vllm-nixl"])
+async def test_a_trusted_clients_ranks_pick_the_pair(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    mode: PdMode,
+) -> None:
+    """``--trust-client-rank`` under P/D: the client's rank picks the decode target and
+    ``disagg_prefill_dp_rank`` the prefill target; untrusted, both are the router's choice."""
+    dep = await deploy(start_cluster, start_router, mode, (1, 4), (1, 4), trust_client_rank=True)
+    body = {**PROMPT, "routed_dp_rank": 2, "disagg_prefill_dp_rank": 3}
+    for _ in range(3):
+        async with http.post(dep.router.url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert (r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]) == (
+                "p0/3",
+                "d0/2",
+            )
+    assert [rec.rank for rec in dep.prefills[0].received] == [3] * 3
+    assert [rec.rank for rec in dep.decodes[0].received] == [2] * 3
+    async with http.post(
+        dep.router.url + "/v1/completions", json={**body, "routed_dp_rank": 7}
+    ) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["message"] == "no decode target has dp_rank 7"
+    untrusted = await start_router(
+        RouterConfig(
+            pd=mode,
+            workers=(
+                WorkerSpec(dep.prefills[0].url, role="prefill"),
+                WorkerSpec(dep.decodes[0].url, role="decode"),
+            ),
+        )
+    )
+    pairs = []
+    for _ in range(4):
+        async with http.post(untrusted.url + "/v1/completions", json=body) as r:
+            pairs.append((r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]))
+    assert {p for p, _ in pairs} == {"p0/0", "p0/1", "p0/2", "p0/3"}
