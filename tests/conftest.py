@@ -117,9 +117,23 @@ class CutsStreams:
         return resp
 
 
+async def healthy(_: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+def answers_health(app: web.Application) -> web.Application:
+    """Like every real engine, a stand-in answers ``GET /health`` (unless it has its own)."""
+    if not any(r.resource and r.resource.canonical == "/health" for r in app.router.routes()):
+        app.router.add_get("/health", healthy)
+    return app
+
+
 @asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    """Serve a small stand-in upstream on a free loopback port; yields its URL."""
+async def serving(app: web.Application, health: bool = True) -> AsyncIterator[str]:
+    """Serve a small stand-in upstream on a free loopback port; yields its URL (``health``:
+    it answers ``GET /health``, as engines do)."""
+    if health:
+        answers_health(app)
     runner = web.AppRunner(app)
     await runner.setup()
     sock = bind("127.0.0.1", 0)
@@ -174,6 +188,7 @@ async def stalling(app: web.Application) -> AsyncIterator[Stalling]:
         await runner.setup()
         await web.SockSite(runner, sock, backlog=1).start()  # it listens anew: keep it small
 
+    answers_health(app)
     on_loop(serve())
     engine = Stalling(url_of("127.0.0.1", port), loop, port)
     try:

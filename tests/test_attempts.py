@@ -20,7 +20,7 @@ from dprouter.net import bind, url_of
 from dprouter.sim.config import EngineConfig, PdConfig
 from dprouter.sim.server import SimServer
 from dprouter.targets import Role, Worker
-from tests.conftest import StartCluster, StartRouter
+from tests.conftest import StartCluster, StartRouter, until
 
 PROMPT = {"prompt": "try me", "max_tokens": 2}
 # where the fault is: a plain worker, the prefill side of a pair, or its decode side
@@ -149,6 +149,8 @@ async def test_a_refused_connection_takes_the_worker_out_without_a_breaker_count
         assert results == [200] * 4 and good.hits == 4
         assert worker.state == "discovering"  # out of the snapshot until it answers again
         assert router.parts.breakers.failures(worker.targets[0]) == 0
+        # and the log says what happened to it
+        assert await until(lambda: worker.error == "DiscoveryError: connection refused")
 
 
 @pytest.mark.parametrize("path", PATHS)

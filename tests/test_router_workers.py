@@ -10,12 +10,12 @@ import pytest
 from aiohttp import web
 
 from dprouter import discovery, load
-from dprouter.config import RouterConfig
+from dprouter.config import ConfigError, RouterConfig, validate
 from dprouter.net import bind, url_of
-from dprouter.sim.config import EngineConfig
+from dprouter.sim.config import EngineConfig, PdConfig
 from dprouter.sim.server import SimServer
 from dprouter.targets import Worker
-from tests.conftest import StartCluster, StartRouter, background, serving, workers
+from tests.conftest import StartCluster, StartRouter, background, serving, until, workers
 
 TOKEN = "s3cret"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -76,12 +76,8 @@ async def test_an_sglang_shape_dprouter_cannot_read_is_refused_with_its_fields(
     async def server_info(_: web.Request) -> web.Response:
         return web.json_response({**info, "tp_size": 2})
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(status=200)
-
     app = web.Application()
     app.router.add_get("/server_info", server_info)
-    app.router.add_get("/health", health)
     async with serving(app) as url:
         router = await start_router(RouterConfig(workers=workers(url)))
         (worker,) = router.registry.workers.values()
@@ -172,6 +168,69 @@ async def test_admin_api_adds_lists_and_removes_workers_with_all_their_ranks(
             assert r.headers["x-sim-engine"] == b.engine_id
     async with http.delete(router.url + "/workers/w0", headers=ADMIN) as r:
         assert r.status == 404
+
+
+async def test_admin_api_checks_a_new_worker_against_the_running_router(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """A --pd router takes prefill and decode workers from the admin API (they get traffic)
+    and refuses a regular one, which would never get any; a duplicate is a conflict."""
+    prefill, decode = (
+        await start_cluster(
+            [
+                EngineConfig(dp_size=2, pd=PdConfig(mode="vllm-nixl", role="prefill")),
+                EngineConfig(dp_size=2, pd=PdConfig(mode="vllm-nixl", role="decode")),
+            ]
+        )
+    ).servers
+    router = await start_router(RouterConfig(pd="vllm-nixl", admin_token=TOKEN))
+    for url, role in ((prefill.url, "prefill"), (decode.url, "decode")):
+        body = {"url": url, "role": role}
+        async with http.post(router.url + "/workers?wait=5", json=body, headers=ADMIN) as r:
+            assert r.status == 201, await r.text()
+    async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 200
+        assert (r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]) == ("p0/0", "d0/0")
+    refusals = {
+        "regular": ({"url": "http://127.0.0.1:9"}, 400, "every worker is --prefill or --decode"),
+        "duplicate": ({"url": decode.url, "role": "decode"}, 409, "already registered"),
+        "path": (
+            {"url": "http://127.0.0.1:9/v1", "role": "decode"},
+            400,
+            "has a path (/v1): give the engine's root, http://127.0.0.1:9",
+        ),
+    }
+    for body, status, message in refusals.values():
+        async with http.post(router.url + "/workers", json=body, headers=ADMIN) as r:
+            assert r.status == status
+            assert message in (await r.json())["error"]["message"]
+    assert len(router.registry.workers) == 2
+
+
+def test_a_worker_url_with_a_path_is_refused_at_start_up() -> None:
+    with pytest.raises(ConfigError, match=r"has a path \(/v1\): give the engine's root"):
+        validate(RouterConfig(workers=workers("http://127.0.0.1:8000/v1")))
+
+
+async def test_a_health_check_answered_404_is_a_failure(
+    start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """An engine with no /health where the router looks (a URL pointing below the engine's
+    root, say) is never taken for a healthy one."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": []})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with serving(app, health=False) as url:
+        router = await start_router(
+            RouterConfig(workers=workers(url, dialect="vllm", dp_size=1)), settle=False
+        )
+        (worker,) = router.registry.workers.values()
+        assert await until(lambda: worker.error is not None)
+    assert worker.state == "discovering"
+    assert "GET /health answered 404" in (worker.error or "")
 
 
 async def test_admin_api_is_off_without_a_token(

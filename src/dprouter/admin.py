@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -21,7 +22,7 @@ from dprouter.config import (
     worker_from_mapping,
 )
 from dprouter.monitor import Monitor
-from dprouter.registry import Registry
+from dprouter.registry import Duplicate, Registry
 from dprouter.relay import error
 from dprouter.targets import Worker
 
@@ -66,64 +67,69 @@ def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
     )
 
 
-def admin_routes(token: str | None, registry: Registry, monitor: Monitor) -> list[web.RouteDef]:
-    def denied(request: web.Request) -> web.Response | None:
-        if token is None:
-            return error(
-                403,
-                "the admin API is off: start the router with an admin token",
-            )
+class Admin:
+    """The admin handlers. New workers are checked against the running router's own
+    configuration (a ``--pd`` router takes prefill and decode workers, not regular ones)."""
+
+    def __init__(self, config: RouterConfig, registry: Registry, monitor: Monitor) -> None:
+        self.config = config
+        self.token = config.admin_token
+        self.registry = registry
+        self.monitor = monitor
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/workers", self.add),
+            web.get("/workers", self.listing),
+            web.delete("/workers/{worker_id}", self.remove),
+        ]
+
+    def denied(self, request: web.Request) -> web.Response | None:
+        if self.token is None:
+            return error(403, "the admin API is off: start the router with an admin token")
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
             return error(401, "admin calls need Authorization: Bearer <admin token>")
         return None
 
-    async def add(request: web.Request) -> web.Response:
-        if (refused := denied(request)) is not None:
+    async def add(self, request: web.Request) -> web.Response:
+        if (refused := self.denied(request)) is not None:
             return refused
         try:
             raw = orjson.loads(await request.read())
             if not isinstance(raw, dict):
                 raise ConfigError("the body must be a JSON object describing one worker")
-            spec = validate_one(worker_from_mapping(raw))
-            worker = registry.add(worker_from_spec(spec, registry))
-        except (orjson.JSONDecodeError, ConfigError, ValueError, TypeError) as exc:
-            status = 409 if "already registered" in str(exc) else 400
-            return error(status, str(exc))
-        monitor.watch(worker)
+            spec = validate(replace(self.config, workers=(worker_from_mapping(raw),))).workers[0]
+            worker = self.registry.add(worker_from_spec(spec, self.registry))
+        except Duplicate as exc:
+            return error(409, str(exc))
+        except (orjson.JSONDecodeError, ConfigError, TypeError) as exc:
+            return error(400, str(exc))
+        self.monitor.watch(worker)
         wait = request.query.get("wait")
         if wait is not None:
             try:
                 async with asyncio.timeout(min(float(wait), 60.0)):
-                    await monitor.settled(worker)
+                    await self.monitor.settled(worker)
             except (TimeoutError, ValueError):
                 pass
         return web.json_response(describe(worker), status=201, dumps=_dumps)
 
-    async def listing(request: web.Request) -> web.Response:
-        if (refused := denied(request)) is not None:
+    async def listing(self, request: web.Request) -> web.Response:
+        if (refused := self.denied(request)) is not None:
             return refused
-        return web.json_response([describe(w) for w in registry.workers.values()], dumps=_dumps)
+        workers = [describe(w) for w in self.registry.workers.values()]
+        return web.json_response(workers, dumps=_dumps)
 
-    async def remove(request: web.Request) -> web.Response:
-        if (refused := denied(request)) is not None:
+    async def remove(self, request: web.Request) -> web.Response:
+        if (refused := self.denied(request)) is not None:
             return refused
         worker_id = request.match_info["worker_id"]
-        if worker_id not in registry.workers:
+        if worker_id not in self.registry.workers:
             return error(404, f"no worker {worker_id!r}")
-        monitor.forget(worker_id)
-        worker = registry.remove(worker_id)
+        self.monitor.forget(worker_id)
+        worker = self.registry.remove(worker_id)
         return web.json_response({"removed": worker.id, "url": worker.url}, dumps=_dumps)
-
-    return [
-        web.post("/workers", add),
-        web.get("/workers", listing),
-        web.delete("/workers/{worker_id}", remove),
-    ]
-
-
-def validate_one(spec: WorkerSpec) -> WorkerSpec:
-    return validate(RouterConfig(workers=(spec,))).workers[0]
 
 
 def _dumps(obj: Any) -> str:

@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dprouter.admin import admin_routes, worker_from_spec
+from dprouter.admin import Admin, worker_from_spec
 from dprouter.admission import Admission, AdmissionOptions
 from dprouter.attempts import Rules
 from dprouter.breaker import BreakerOptions, Breakers
@@ -151,7 +151,7 @@ def build_app(
             web.get("/readiness", readiness),
             web.get("/metrics", metrics),
             web.get("/openapi.json", openapi),
-            *admin_routes(config.admin_token, registry, parts.monitor),
+            *Admin(config, registry, parts.monitor).routes(),
         ]
     )
     return app

@@ -159,30 +159,39 @@ class Monitor:
         while True:
             await asyncio.sleep(self.options.health_interval)
             ready = [w for w in self.registry.workers.values() if w.ready]
-            verdicts = await asyncio.gather(*(self._healthy(w) for w in ready))
-            for worker, healthy in zip(ready, verdicts, strict=True):
-                if healthy:
+            verdicts = await asyncio.gather(*(self._check(w) for w in ready))
+            for worker, problem in zip(ready, verdicts, strict=True):
+                if problem is None:
                     self._unhealthy.pop(worker.id, None)
                     continue
                 failed = self._unhealthy[worker.id] = self._unhealthy.get(worker.id, 0) + 1
                 if failed >= self.options.health_failures and worker.ready:
-                    log.warning("worker %s failed %d health checks: out", worker.id, failed)
+                    log.warning(
+                        "worker %s failed %d health checks (%s): out", worker.id, failed, problem
+                    )
                     self._unhealthy.pop(worker.id, None)
                     self.watch(worker)  # back in once /health and discovery answer again
 
-    async def _healthy(self, worker: Worker) -> bool:
-        """``/health`` answers below 500 in time (a 404: the worker has no such check)."""
+    async def _check(self, worker: Worker) -> str | None:
+        """What is wrong with ``worker``'s ``GET /health``, or None: it answered 2xx in time.
+        A 404 is a failure too: a worker URL with a path (``/v1``) would pass it otherwise."""
         timeout = aiohttp.ClientTimeout(total=self.options.health_timeout)
         try:
             async with self.session.get(worker.url + "/health", timeout=timeout) as r:
-                return r.status < 500
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+                return None if 200 <= r.status < 300 else f"GET /health answered {r.status}"
+        except aiohttp.ClientConnectorError as exc:
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            return "connection refused" if refused else f"cannot connect ({exc.os_error})"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError):
+                return f"GET /health gave no answer within {self.options.health_timeout:g} s"
+            return f"GET /health failed ({type(exc).__name__} {exc})".replace(" )", ")")
 
     async def _recovered(self, worker: Worker) -> None:
         """``health_successes`` good checks in a row, a little apart, or DiscoveryError."""
         for i in range(self.options.health_successes):
             if i:
                 await asyncio.sleep(min(self.options.retry_min, self.options.health_interval))
-            if not await self._healthy(worker):
-                raise discovery.DiscoveryError("GET /health fails (no answer in time, or 5xx)")
+            problem = await self._check(worker)
+            if problem is not None:
+                raise discovery.DiscoveryError(problem)

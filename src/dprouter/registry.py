@@ -68,6 +68,10 @@ class Snapshot:
         return list(seen)
 
 
+class Duplicate(ValueError):
+    """A worker with this id or URL is registered already."""
+
+
 class Registry:
     """Workers and their targets. ``dp_aware`` False gives each worker one
     target with no rank: the engine's own balancer then places the request."""
@@ -80,10 +84,10 @@ class Registry:
 
     def add(self, worker: Worker) -> Worker:
         if worker.id in self.workers:
-            raise ValueError(f"worker id {worker.id!r} already registered")
+            raise Duplicate(f"worker id {worker.id!r} already registered")
         clash = next((w for w in self.workers.values() if w.url == worker.url), None)
         if clash is not None:
-            raise ValueError(f"worker {worker.url} already registered as {clash.id!r}")
+            raise Duplicate(f"worker {worker.url} already registered as {clash.id!r}")
         self.workers[worker.id] = worker
         self.rebuild()
         return worker

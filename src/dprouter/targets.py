@@ -20,13 +20,19 @@ ROLES: tuple[Role, ...] = ("regular", "prefill", "decode")
 
 
 def normalise_url(raw: str) -> str:
-    """``http://host:port`` with no trailing slash; IPv6 hosts stay bracketed."""
+    """``http://host:port``; IPv6 hosts stay bracketed. A path is refused: the router
+    appends the client's own path (``/v1/completions``, ...) to the worker's URL."""
     url = URL(raw if "://" in raw else f"http://{raw}")
     if url.scheme not in ("http", "https") or not url.host:
         raise ValueError(f"worker URL {raw!r} must be http(s)://host:port")
     if url.user or url.password or url.query_string or url.fragment:
         raise ValueError(f"worker URL {raw!r} must not carry credentials, a query or a fragment")
-    return str(url.with_path(url.path.rstrip("/")))
+    if url.path.strip("/"):
+        raise ValueError(
+            f"worker URL {raw!r} has a path ({url.path}): give the engine's root, "
+            f"{url.origin()}; the router adds /v1/... itself"
+        )
+    return str(url.origin())
 
 
 @dataclass(eq=False)
