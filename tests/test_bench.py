@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from dprouter.bench import aliasing, burst, dp_attention, prefix
+from dprouter.bench import aliasing, burst, dp_attention, peers, prefix, sim_scale
+from dprouter.bench.command import bench
+from dprouter.bench.procs import Proc
 from dprouter.bench.results import Result, Table, write_report
 
 
@@ -34,8 +40,73 @@ def test_report_files(tmp_path: Path) -> None:
     assert "| demo | The headline. |" in text
     assert "| a | 1.5 |" in text and "| b | - |" in text
     assert "- met: something held" in text and "- **not met**: something else" in text
-    (saved,) = json.loads((tmp_path / "results.json").read_text())
-    assert saved["tables"][0]["rows"] == [["a", 1.5], ["b", None]]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["demo"]["result"]["tables"][0]["rows"] == [["a", 1.5], ["b", None]]
+    assert saved["demo"]["run"]["command"] == "dprouter bench demo"
+    assert saved["demo"]["run"]["quick"] is True
+
+
+def finding(scenario: str, headline: str) -> Result:
+    return Result(scenario, f"About {scenario}", "Measured.", [Table(["x"], [[1]])], headline)
+
+
+def test_a_partial_run_replaces_its_scenario_and_keeps_the_others(tmp_path: Path) -> None:
+    write_report(
+        [finding("aliasing", "Old aliasing."), finding("burst", "Burst held.")],
+        tmp_path,
+        "dprouter bench aliasing burst",
+        quick=False,
+    )
+    done = CliRunner().invoke(bench, ["aliasing", "--quick", "--out", str(tmp_path)])
+    assert done.exit_code == 0, done.output
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert list(saved) == ["aliasing", "burst"]  # report order kept
+    assert saved["burst"]["result"]["verdict"] == "Burst held."
+    assert saved["burst"]["run"]["command"] == "dprouter bench aliasing burst"
+    assert saved["aliasing"]["run"]["command"] == "dprouter bench aliasing --quick"
+    assert saved["aliasing"]["result"]["verdict"] != "Old aliasing."
+    report = (tmp_path / "report.md").read_text()
+    assert "| burst | Burst held. | `dprouter bench aliasing burst` on " in report
+    assert "## About burst" in report and "Old aliasing." not in report
+    assert "*Run:* `dprouter bench aliasing --quick` on " in report and ", quick." in report
+
+
+def test_a_report_written_before_results_were_kept_by_scenario_still_renders(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "results.json").write_text(json.dumps([asdict(finding("prefix", "Prefix kept."))]))
+    (tmp_path / "report.md").write_text(
+        "# dprouter benchmark report\n\n`dprouter bench all` on 2026-11-30 08:35 UTC. Ratios\n"
+    )
+    write_report([finding("scale", "Scale done.")], tmp_path, "dprouter bench scale", False)
+    report = (tmp_path / "report.md").read_text()
+    assert (
+        "| prefix | Prefix kept. | `dprouter bench all` on 2026-11-30 08:35 UTC, full |" in report
+    )
+    assert "| scale | Scale done. | `dprouter bench scale` on " in report
+
+
+def test_sim_scale_fast_path_keeps_the_timeline(tmp_path: Path) -> None:
+    result = sim_scale.run(True, tmp_path, sizes=(500,))
+    assert result.checks == {"both modes produce the same timeline": True}
+    assert [row[1] for row in result.tables[0].rows] == [name for name, _ in sim_scale.MODES]
+
+
+async def test_a_peer_whose_port_was_taken_starts_again_on_another() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        given: list[int] = []
+
+        def build(port: int) -> Proc:  # the bench backend stands in for a peer
+            given.append(port)
+            # the first port is taken between the draw and the peer's bind
+            chosen = taken.getsockname()[1] if len(given) == 1 else port
+            return Proc([sys.executable, "-m", "dprouter.bench.backend", "--port", str(chosen)])
+
+        proc, url = await peers.start_on_free_port(build, seconds=30)
+        await proc.stop()
+    assert len(given) == 2 and url == f"http://127.0.0.1:{given[1]}"
 
 
 @pytest.mark.slow

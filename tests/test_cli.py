@@ -11,26 +11,9 @@ import sys
 import aiohttp
 import pytest
 
-import dprouter
 from dprouter.demo import run_demo
 from dprouter.sim.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster
-
-
-def test_public_names() -> None:
-    assert sorted(dprouter.__all__) == [
-        "Arrival",
-        "Cluster",
-        "CostModel",
-        "EngineConfig",
-        "Faults",
-        "OfflineSim",
-        "RankLimits",
-        "SimCluster",
-        "SimReport",
-        "SimServer",
-        "fleet",
-    ]
 
 
 async def test_sim_command_serves_engines_and_stops_on_sigterm(

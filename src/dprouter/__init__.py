@@ -1,21 +1,11 @@
-"""dprouter: route LLM requests to (worker, dp_rank) targets; simulated engines built in."""
+"""dprouter: route LLM requests to (worker, dp_rank) targets.
 
-from dprouter.sim.cluster import SimCluster, fleet
-from dprouter.sim.config import CostModel, EngineConfig, Faults, RankLimits
-from dprouter.sim.offline import Arrival, Cluster, OfflineSim
-from dprouter.sim.report import SimReport
-from dprouter.sim.server import SimServer
+The package's face is the router's API. The simulated engines live in
+``dprouter.sim`` and the benchmarks in ``dprouter.bench``; neither is loaded
+by ``import dprouter``.
+"""
 
-__all__ = [
-    "Arrival",
-    "Cluster",
-    "CostModel",
-    "EngineConfig",
-    "Faults",
-    "OfflineSim",
-    "RankLimits",
-    "SimCluster",
-    "SimReport",
-    "SimServer",
-    "fleet",
-]
+from dprouter.app import Router, build_app
+from dprouter.config import RouterConfig, WorkerSpec
+
+__all__ = ["Router", "RouterConfig", "WorkerSpec", "build_app"]

@@ -1,22 +1,41 @@
-"""The ``dprouter`` command: a thin layer over the Python API."""
+"""The ``dprouter`` command: a thin layer over the Python API.
+
+Each command's module is imported only when that command is asked for, so
+``dprouter serve`` loads the router alone: not the simulator, the benchmarks,
+or their plotting and progress-bar libraries (the ``bench`` extra).
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from dprouter.bench.command import bench
-from dprouter.demo import demo
-from dprouter.serve import serve
-from dprouter.sim.command import sim
+# name -> "module:attribute" of the click command
+COMMANDS = {
+    "bench": "dprouter.bench.command:bench",
+    "demo": "dprouter.demo:demo",
+    "serve": "dprouter.serve:serve",
+    "sim": "dprouter.sim.command:sim",
+}
 
 
-@click.group()
+class LazyGroup(click.Group):
+    """A group whose commands are imported when they are looked up (click's lazy pattern)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, name = COMMANDS[cmd_name].split(":")
+        command = getattr(importlib.import_module(module), name)
+        assert isinstance(command, click.Command), COMMANDS[cmd_name]
+        return command
+
+
+@click.group(cls=LazyGroup)
 @click.version_option(package_name="dprouter")
 def main() -> None:
     """dprouter: route LLM requests to (worker, dp_rank) targets."""
-
-
-main.add_command(bench)
-main.add_command(demo)
-main.add_command(serve)
-main.add_command(sim)

@@ -4,7 +4,7 @@ It answers at once: a small JSON completion, or 16 SSE chunks then ``[DONE]``;
 ``/metrics`` shows one vLLM ``engine`` label (so routers discover one rank)
 and ``/server_info`` is absent, as on vLLM.
 
-    python -m dprouter.bench.backend --port 20001
+    python -m dprouter.bench.backend --port 0    # prints "ready URL" once it listens
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import time
 
 import orjson
 from aiohttp import web
+
+from dprouter.net import bind, url_of
 
 CHUNKS = 16
 
@@ -94,14 +96,13 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args()
-    web.run_app(
-        app(),
-        host=args.host,
-        port=args.port,
-        backlog=4096,
-        access_log=None,
-        print=lambda *_: print("ready", flush=True),
-    )
+    sock = bind(args.host, args.port, backlog=4096)
+    url = url_of(args.host, sock.getsockname()[1])
+
+    def ready(*_: object) -> None:
+        print(f"ready {url}", flush=True)
+
+    web.run_app(app(), sock=sock, backlog=4096, access_log=None, print=ready)
 
 
 if __name__ == "__main__":

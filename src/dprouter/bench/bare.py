@@ -5,12 +5,17 @@ way a minimal proxy would. The overhead scenario runs it beside dprouter so
 the report separates what dprouter's own logic costs from what the stack it
 is built on costs.
 
-    python -m dprouter.bench.bare --port 20002 --upstream http://127.0.0.1:20001
+    python src/dprouter/bench/bare.py --port 0 --upstream http://127.0.0.1:20001
+
+Run as a file, it imports aiohttp alone (``python -m`` would load the dprouter
+package too, and its memory would count against the floor). It prints
+``bare proxy ready URL`` once it listens (port 0: any free port).
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 
 import aiohttp
 from aiohttp import web
@@ -60,10 +65,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args()
-    print("bare proxy ready", flush=True)
-    web.run_app(
-        make_app(args.upstream), host="127.0.0.1", port=args.port, print=None, access_log=None
-    )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", args.port))
+    sock.listen(128)  # aiohttp's default backlog, as before
+    print(f"bare proxy ready http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    web.run_app(make_app(args.upstream), sock=sock, print=None, access_log=None)
 
 
 if __name__ == "__main__":

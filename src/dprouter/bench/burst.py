@@ -2,17 +2,20 @@
 
 Every request of a burst waits at a gate until all are created, then all go
 at once, each on its own connection. Plain bursts hit a trivial backend
-through each router; P/D bursts hit simulated SGLang prefill (2 x DP8) and
-decode (1 x DP8) engines through dprouter. Every process is separate and
+through each router; P/D bursts (SGLang's flow by default; ``--pd vllm-nixl``
+too) hit simulated prefill (2 x DP8) and decode (1 x DP8) engines through
+dprouter. ``--requests N`` sets the burst sizes. Every process is separate and
 stopped by its PID.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ import aiohttp
 from dprouter.bench import peers
 from dprouter.bench.overhead import start_router
 from dprouter.bench.plots import bars
-from dprouter.bench.procs import DPROUTER, Proc, free_port
+from dprouter.bench.procs import DPROUTER, Proc, url_in, urls_in
 from dprouter.bench.results import Cell, Result, Table
 from dprouter.sim.report import percentiles
 
@@ -75,11 +78,9 @@ async def burst(url: str, n: int, model: str = "bench") -> dict[str, Any]:
 
 
 async def plain(kind: str, n: int) -> dict[str, Any]:
-    port = free_port()
-    backend = Proc([sys.executable, "-m", "dprouter.bench.backend", "--port", str(port)])
-    await backend.start("ready")
+    backend = Proc([sys.executable, "-m", "dprouter.bench.backend", "--port", "0"])
     try:
-        proc, url = await start_router(kind, f"http://127.0.0.1:{port}")
+        proc, url = await start_router(kind, url_in(await backend.start("ready")))
         try:
             return await burst(url, n)
         finally:
@@ -89,56 +90,49 @@ async def plain(kind: str, n: int) -> dict[str, Any]:
         await backend.stop()
 
 
-async def pd(n: int) -> dict[str, Any]:
-    sim = [*DPROUTER, "sim", "--pd", "sglang", "--dp-size", "8", "--max-running", "1024"]
-    p_port, d_port, r_port = free_port(), free_port(), free_port()
-    prefill = Proc(
-        [
-            *sim,
-            "--role",
-            "prefill",
-            "--engines",
-            "2",
-            "--port",
-            str(p_port),
-            "--bootstrap-port",
-            "0",
-        ]
-    )
-    decode = Proc([*sim, "--role", "decode", "--port", str(d_port), "--kv-wait", "120"])
+async def pd(n: int, mode: str = "sglang") -> dict[str, Any]:
+    """A burst through ``dprouter serve --pd MODE`` in front of simulated engines."""
+    sim = [*DPROUTER, "sim", "--pd", mode, "--dp-size", "8", "--max-running", "1024"]
+    sim += ["--port", "0"]  # every engine on a port of its own, listed in its output
+    prefill = Proc([*sim, "--role", "prefill", "--engines", "2", "--bootstrap-port", "0"])
+    decode = Proc([*sim, "--role", "decode", "--kv-wait", "120"])
     procs = [prefill, decode]
     try:
         await prefill.start("ready")
         await decode.start("ready")
-        lines = [ln for ln in prefill.lines if ln.startswith("prefill-")]
-        args = [*DPROUTER, "serve", "--pd", "sglang", "--port", str(r_port), "--load-interval", "0"]
-        for ln in lines:
-            url, port = ln.split()[3], ln.split("bootstrap_port=")[1].strip()
-            args += ["--prefill", f"{url},bootstrap_port={port}"]
-        args += ["--decode", f"http://127.0.0.1:{d_port}"]
+        args = [*DPROUTER, "serve", "--pd", mode, "--port", "0", "--load-interval", "0"]
+        for line in prefill.lines:
+            if line.startswith("prefill-"):
+                port = re.search(r"bootstrap_port=(\d+)", line)  # SGLang's only
+                args += ["--prefill", url_in(line) + (f",bootstrap_port={port[1]}" if port else "")]
+        args += [a for u in urls_in(decode.lines, "decode-") for a in ("--decode", u)]
         router = Proc(args)
         procs.append(router)
-        await router.start(r"dprouter on http://")
-        url = f"http://127.0.0.1:{r_port}"
-        await peers.until_serving(url, model="sim-model")
+        url = url_in(await router.start(r"dprouter on http://"))
+        await peers.until_serving(url, model="sim-model", proc=router)
         return await burst(url, n, model="sim-model")
     finally:
         for proc in reversed(procs):
             await proc.stop()
 
 
-async def measure(quick: bool) -> dict[str, dict[str, Any]]:
-    sizes = (1024,) if quick else (4096, 10_000)
+async def measure(sizes: Sequence[int], pd_modes: Sequence[str]) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for n in sizes:
         for kind in ("dprouter", *peers.available()):
             found[f"{kind}, plain, {n}"] = await plain(kind, n)
-        found[f"dprouter, P/D sglang, {n}"] = await pd(n)
+        for mode in pd_modes:
+            found[f"dprouter, P/D {mode}, {n}"] = await pd(n, mode)
     return found
 
 
-def run(quick: bool, out: Path) -> Result:
-    found = asyncio.run(measure(quick))
+def run(
+    quick: bool, out: Path, sizes: Sequence[int] = (), pd_modes: Sequence[str] = ("sglang",)
+) -> Result:
+    """Bursts of each size (default: 1024 quick, else 4096 and 10,000): plain through
+    dprouter and the peers, and through dprouter in each P/D mode of ``pd_modes``."""
+    sizes = sizes or ((1024,) if quick else (4096, 10_000))
+    found = asyncio.run(measure(sizes, pd_modes))
     rows: list[list[Cell]] = [
         [
             name,
@@ -175,8 +169,9 @@ def run(quick: bool, out: Path) -> Result:
         method=(
             "All requests created first, then released together, each on its own "
             "connection (closed after its answer); 8 output tokens each; client timeout "
-            "300 s. Plain: trivial backend. P/D: simulated SGLang prefill 2 x DP8 and decode "
-            "1 x DP8, each process separate. Drain: from release to the last answer."
+            f"300 s. Plain: trivial backend. P/D ({', '.join(pd_modes)}): simulated prefill "
+            "2 x DP8 and decode 1 x DP8, each process separate. Drain: from release to the "
+            "last answer."
         ),
         tables=[
             Table(

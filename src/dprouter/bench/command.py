@@ -1,71 +1,109 @@
-"""``dprouter bench SCENARIO``: run scenarios side by side, print tables, write the report."""
+"""``dprouter bench SCENARIO``: run scenarios side by side, print tables, update the report.
+
+A scenario's module is imported when it runs: ``dprouter --help`` and this
+module need none of the ``bench`` extra (matplotlib, tqdm).
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
-from tqdm import tqdm
 
-from dprouter.bench import (
-    aliasing,
-    burst,
-    crosscheck,
-    dp_attention,
-    overhead,
-    peers_quality,
-    prefix,
-    scale,
-    soak,
-    stacks,
-)
 from dprouter.bench.results import Result, write_report
 
-Scenario = Callable[[bool, Path], Result]
-SCENARIOS: dict[str, Scenario] = {
-    "aliasing": aliasing.run,
-    "dp-attention": dp_attention.run,
-    "prefix": prefix.run,
-    "peers": peers_quality.run,
-    "overhead": overhead.run,
-    "burst": burst.run,
-    "scale": scale.run,
-    "crosscheck": crosscheck.run,
+# scenario -> its module under dprouter.bench, whose run(quick, out, **options) -> Result
+SCENARIOS = {
+    "aliasing": "aliasing",
+    "dp-attention": "dp_attention",
+    "prefix": "prefix",
+    "peers": "peers_quality",
+    "overhead": "overhead",
+    "burst": "burst",
+    "scale": "scale",
+    "crosscheck": "crosscheck",
 }
-LONG: dict[str, Scenario] = {"soak": soak.run}  # minutes by design: not part of "all"
-# a study of the HTTP stacks beneath dprouter, not of dprouter: not part of "all" either
-STUDIES: dict[str, Scenario] = {"stacks": stacks.run}
+LONG = {"soak": "soak"}  # minutes by design: not part of "all"
+# studies of what lies beneath dprouter (its HTTP stacks, the offline simulator's own
+# speed), not of dprouter: not part of "all" either
+STUDIES = {"stacks": "stacks", "sim-scale": "sim_scale"}
+MODULES = {**SCENARIOS, **LONG, **STUDIES}
+PD_MODES = ("sglang", "vllm-nixl")
+
+
+def scenario(name: str) -> Callable[..., Result]:
+    run: Callable[..., Result] = importlib.import_module(f"dprouter.bench.{MODULES[name]}").run
+    return run
 
 
 @click.command()
-@click.argument(
-    "scenarios", nargs=-1, type=click.Choice([*SCENARIOS, *LONG, *STUDIES, "all"]), required=True
-)
+@click.argument("scenarios", nargs=-1, type=click.Choice([*MODULES, "all"]), required=True)
 @click.option("--quick", is_flag=True, help="Smaller runs: the whole set in a few minutes.")
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("bench/results"),
     show_default=True,
-    help="Where the report, the JSON file and the plots go.",
+    help="Where the report, the JSON file and the plots go; the scenarios run replace "
+    "their own entries there and leave the others.",
 )
-def bench(scenarios: tuple[str, ...], quick: bool, out: Path) -> None:
+@click.option(
+    "--requests",
+    type=click.IntRange(1),
+    multiple=True,
+    help="burst: the burst sizes [1024 with --quick, else 4096 and 10000]; "
+    "sim-scale: the request counts [10000 with --quick, else 100000]. Repeatable.",
+)
+@click.option(
+    "--pd",
+    type=click.Choice(PD_MODES),
+    multiple=True,
+    help="burst: the P/D flows burst through dprouter [sglang]. Repeatable.",
+)
+def bench(
+    scenarios: tuple[str, ...],
+    quick: bool,
+    out: Path,
+    requests: tuple[int, ...],
+    pd: tuple[str, ...],
+) -> None:
     """Measure dprouter: the seed scenarios, the policies, and the peers, side by side."""
+    try:
+        from tqdm import tqdm
+
+        import dprouter.bench.plots  # noqa: F401 -- fails here, not mid-run, without matplotlib
+    except ModuleNotFoundError as exc:
+        raise click.ClickException(
+            f"dprouter bench needs the bench extra: pip install 'dprouter[bench]' ({exc})"
+        ) from None
     names = list(SCENARIOS) if "all" in scenarios else list(dict.fromkeys(scenarios))
-    results: list[Result] = []
+    options: dict[str, dict[str, Any]] = {name: {} for name in names}
+    if requests:
+        takers = [n for n in names if n in ("burst", "sim-scale")]
+        if not takers:
+            raise click.UsageError("--requests applies to burst and sim-scale only")
+        for name in takers:
+            options[name]["sizes"] = requests
+    if pd:
+        if "burst" not in names:
+            raise click.UsageError("--pd applies to burst only")
+        options["burst"]["pd_modes"] = pd
+    given = [*(f"--requests {n}" for n in requests), *(f"--pd {m}" for m in pd)]
+    command = " ".join(["dprouter bench", *scenarios, *given, *(["--quick"] if quick else [])])
     with tqdm(names, unit="scenario", file=sys.stderr, dynamic_ncols=True) as bar:
         for name in bar:
             bar.set_description(name)
             t0 = time.perf_counter()
-            result = {**SCENARIOS, **LONG, **STUDIES}[name](quick, out)
+            result = scenario(name)(quick, out, **options[name])
             result.data["wall_seconds"] = time.perf_counter() - t0
-            results.append(result)
+            # each scenario saved as it ends: one that fails later does not lose it
+            write_report([result], out, command, quick)
             tqdm.write(f"\n{result.title}\n{result.table()}\n{result.verdict}\n", file=sys.stdout)
             for check, ok in result.checks.items():
                 tqdm.write(f"  [{'met' if ok else 'NOT MET'}] {check}", file=sys.stdout)
-    command = "dprouter bench " + " ".join(scenarios) + (" --quick" if quick else "")
-    report = write_report(results, out, command, quick)
-    click.echo(f"\nreport: {report}")
+    click.echo(f"\nreport: {out / 'report.md'}")

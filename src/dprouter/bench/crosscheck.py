@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from dprouter.bench import peers
-from dprouter.bench.procs import DPROUTER, Proc, free_port
+from dprouter.bench.procs import DPROUTER, Proc, url_in, urls_in
 from dprouter.bench.results import Cell, Result, Table
 from dprouter.sim.report import percentiles
 
@@ -206,31 +206,21 @@ async def ours(url: str, seconds: int) -> dict[str, float]:
 
 
 async def measure(out: Path, seconds: int) -> dict[str, dict[str, float]]:
-    sim_port, r_port = free_port(), free_port()
-    sim = Proc([*DPROUTER, "sim", "--engines", "2", "--dp-size", "2", "--port", str(sim_port)])
-    router = Proc(
-        [
-            *DPROUTER,
-            "serve",
-            "--port",
-            str(r_port),
-            "--worker",
-            f"http://127.0.0.1:{sim_port}",
-            "--worker",
-            f"http://127.0.0.1:{sim_port + 1}",
-        ]
-    )
+    sim = Proc([*DPROUTER, "sim", "--engines", "2", "--dp-size", "2", "--port", "0"])
+    router: Proc | None = None
     try:
         await sim.start("ready")
-        await router.start(r"dprouter on http://")
-        url = f"http://127.0.0.1:{r_port}"
-        await peers.until_serving(url, model="sim-model")
+        workers = [a for u in urls_in(sim.lines, "vllm-") for a in ("--worker", u)]
+        router = Proc([*DPROUTER, "serve", "--port", "0", *workers])
+        url = url_in(await router.start(r"dprouter on http://"))
+        await peers.until_serving(url, model="sim-model", proc=router)
         return {
             "inference-perf": await theirs(url, out, seconds),
             "dprouter bench": await ours(url, seconds),
         }
     finally:
-        await router.stop()
+        if router is not None:
+            await router.stop()
         await sim.stop()
 
 

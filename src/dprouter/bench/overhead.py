@@ -21,7 +21,7 @@ from pathlib import Path
 from dprouter.bench import peers
 from dprouter.bench.load import Outcome, closed_loop
 from dprouter.bench.plots import bars
-from dprouter.bench.procs import DPROUTER, Proc, cpu_seconds, free_port, peak_rss_mb
+from dprouter.bench.procs import DPROUTER, Proc, cpu_seconds, peak_rss_mb, url_in
 from dprouter.bench.results import Cell, Result, Table
 
 LOADS = (
@@ -31,6 +31,7 @@ LOADS = (
 )
 ROUTER_CORE, CLIENT_CORE = "0", {1}
 BARE = "bare aiohttp proxy"  # dprouter's HTTP stack with none of its logic: the floor
+BARE_SCRIPT = Path(__file__).with_name("bare.py")
 ROUNDS = 4  # interleaved rounds per full run: the machine's noise falls on every router alike
 
 
@@ -55,34 +56,24 @@ async def start_router(
     ``commands`` adds kinds of its own (the stacks scenario's bare proxies)."""
     if kind == "direct":
         return None, backend
-    port = free_port()
     if commands and kind in commands:
-        proc = Proc(commands[kind](port, backend), cpus=ROUTER_CORE)
-        await proc.start()  # polled below with real requests
-    elif kind == "dprouter":
-        proc = Proc(
-            [
-                *DPROUTER,
-                "serve",
-                "--worker",
-                f"{backend},dialect=vllm,dp_size=1",
-                "--port",
-                str(port),
-                "--load-interval",
-                "0",
-            ],
-            cpus=ROUTER_CORE,
+        command = commands[kind]
+        return await peers.start_on_free_port(
+            lambda port: Proc(command(port, backend), cpus=ROUTER_CORE)
         )
-        await proc.start(r"dprouter on http://")
-    elif kind == BARE:
-        command = [sys.executable, "-m", "dprouter.bench.bare", "--port", str(port)]
-        proc = Proc([*command, "--upstream", backend], cpus=ROUTER_CORE)
-        await proc.start("ready")
-    else:
-        proc = peers.router(kind, [backend], port, cpus=ROUTER_CORE)
-        await proc.start()  # polled below with real requests
-    url = f"http://127.0.0.1:{port}"
-    await peers.until_serving(url)
+    if kind not in ("dprouter", BARE):
+        return await peers.start_on_free_port(
+            lambda port: peers.router(kind, [backend], port, cpus=ROUTER_CORE)
+        )
+    if kind == "dprouter":
+        argv = [*DPROUTER, "serve", "--worker", f"{backend},dialect=vllm,dp_size=1"]
+        proc = Proc([*argv, "--port", "0", "--load-interval", "0"], cpus=ROUTER_CORE)
+        url = url_in(await proc.start(r"dprouter on http://"))
+    else:  # a file, not -m dprouter...: the floor imports aiohttp alone, not the package
+        argv = [sys.executable, str(BARE_SCRIPT), "--port", "0", "--upstream", backend]
+        proc = Proc(argv, cpus=ROUTER_CORE)
+        url = url_in(await proc.start("ready"))
+    await peers.until_serving(url, proc=proc)
     return proc, url
 
 
@@ -95,12 +86,8 @@ async def measure(
     """Every router up at once; ``rounds`` rounds, each measuring every router's loads
     in turn for ``seconds`` / ``rounds``, pooled. Interleaved so that a noisy spell of a
     shared machine falls on all of them alike, not on whichever ran then."""
-    backend_port = free_port()
-    backend = Proc(
-        [sys.executable, "-m", "dprouter.bench.backend", "--port", str(backend_port)], cpus="1"
-    )
-    await backend.start("ready")
-    backend_url = f"http://127.0.0.1:{backend_port}"
+    backend = Proc([sys.executable, "-m", "dprouter.bench.backend", "--port", "0"], cpus="1")
+    backend_url = url_in(await backend.start("ready"))
     routers: dict[str, tuple[Proc | None, str]] = {}
     pooled = {(k, name): Outcome() for k in kinds for name, _, _ in LOADS}
     cpu: dict[tuple[str, str], float] = dict.fromkeys(pooled, 0.0)  # seconds, pooled too

@@ -23,6 +23,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -95,13 +96,46 @@ def router(
     )
 
 
-async def until_serving(url: str, seconds: float = 60, model: str = "bench") -> None:
-    """Wait until a real completion succeeds (a router's /health may say yes too early)."""
+class Exited(RuntimeError):
+    """The process stopped before it served."""
+
+
+async def start_on_free_port(
+    build: Callable[[int], Proc], seconds: float = 60, model: str = "bench", tries: int = 3
+) -> tuple[Proc, str]:
+    """Start a peer that binds the port it is given (``build(port)``) and wait until it
+    serves; returns it and its URL. The port was free when drawn but another process may
+    bind it first: then the peer exits before serving, and it starts again on another."""
+    for attempt in range(1, tries + 1):
+        port = free_port()
+        proc = build(port)
+        await proc.start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            await until_serving(url, seconds, model, proc)
+        except Exited:
+            if attempt == tries:
+                raise
+            continue
+        except BaseException:
+            await proc.stop()
+            raise
+        return proc, url
+    raise AssertionError("unreachable")
+
+
+async def until_serving(
+    url: str, seconds: float = 60, model: str = "bench", proc: Proc | None = None
+) -> None:
+    """Wait until a real completion succeeds (a router's /health may say yes too early);
+    raise ``Exited`` if ``proc``, the server, stops first."""
     body = {"model": model, "prompt": "ready?", "max_tokens": 1}
     timeout = aiohttp.ClientTimeout(total=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async with asyncio.timeout(seconds):
             while True:
+                if proc is not None and proc.exited:
+                    raise Exited(f"{proc.argv} exited:\n{''.join(proc.lines[-20:])}")
                 try:
                     async with session.post(url + "/v1/completions", json=body) as r:
                         if r.status == 200:

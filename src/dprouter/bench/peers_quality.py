@@ -21,7 +21,7 @@ import aiohttp
 
 from dprouter.bench import peers
 from dprouter.bench.plots import bars
-from dprouter.bench.procs import DPROUTER, Proc, free_port
+from dprouter.bench.procs import DPROUTER, Proc, url_in
 from dprouter.bench.results import Cell, Result, Table
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import CostModel, EngineConfig, RankLimits
@@ -70,33 +70,23 @@ PREFIX_RUNS = (
 
 
 async def start(run: Run, urls: Sequence[str], dp: int) -> tuple[Proc, str]:
-    port = free_port()
-    if run.kind == "dprouter":
-        proc = Proc(
-            [
-                *DPROUTER,
-                "serve",
-                *(a for u in urls for a in ("--worker", u)),
-                "--port",
-                str(port),
-                "--load-interval",
-                "0.5",
-                *run.args,
-            ]
+    if run.kind != "dprouter":
+        return await peers.start_on_free_port(
+            lambda port: peers.router(
+                run.kind,
+                list(urls),
+                port,
+                policy=run.args[0],
+                dp_size=dp,
+                dp_aware="dp-aware" in run.args,
+            ),
+            90,
+            model="sim-model",
         )
-        await proc.start(r"dprouter on http://")
-    else:
-        proc = peers.router(
-            run.kind,
-            list(urls),
-            port,
-            policy=run.args[0],
-            dp_size=dp,
-            dp_aware="dp-aware" in run.args,
-        )
-        await proc.start()
-    url = f"http://127.0.0.1:{port}"
-    await peers.until_serving(url, 90, model="sim-model")
+    workers = (a for u in urls for a in ("--worker", u))
+    proc = Proc([*DPROUTER, "serve", *workers, "--port", "0", "--load-interval", "0.5", *run.args])
+    url = url_in(await proc.start(r"dprouter on http://"))
+    await peers.until_serving(url, 90, model="sim-model", proc=proc)
     return proc, url
 
 

@@ -1,5 +1,10 @@
 """Processes the HTTP scenarios start: pinned to a core, read back when ready, stopped
-by their PID, and measured from /proc (CPU seconds and peak memory of the whole tree)."""
+by their PID, and measured from /proc (CPU seconds and peak memory of the whole tree).
+
+Ports: our own processes (``dprouter serve``, ``dprouter sim``, the bench backend and
+bare proxy) bind port 0 and print the URL they got, which ``url_in`` reads back;
+only third-party peers, which must bind a port they are given, get ``free_port``.
+"""
 
 from __future__ import annotations
 
@@ -79,6 +84,10 @@ class Proc:
         self.lines: list[str] = []
 
     @property
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.returncode is not None
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
@@ -129,8 +138,25 @@ class Proc:
                 continue
 
 
+def url_in(line: str) -> str:
+    """The URL a process printed on ``line`` ("dprouter on http://127.0.0.1:PORT: ...",
+    "vllm-0 vllm dp_size=2 http://127.0.0.1:PORT", "ready http://127.0.0.1:PORT")."""
+    found = re.search(r"http://\S+", line)
+    if found is None:
+        raise ValueError(f"no URL in {line!r}")
+    return found[0].rstrip(":")
+
+
+def urls_in(lines: Sequence[str], prefix: str) -> list[str]:
+    """The URLs of the engines ``dprouter sim`` listed (its lines starting ``prefix``)."""
+    return [url_in(line) for line in lines if line.startswith(prefix)]
+
+
 def free_port() -> int:
-    """A free loopback port in 20000-29999 (clear of the ephemeral range)."""
+    """A loopback port in 20000-29999 (clear of the ephemeral range) that was free a moment
+    ago, for a third-party peer that binds the port it is given. Another process may take
+    it before the peer binds it: ``peers.start_on_free_port`` starts the peer again on
+    another port if it exits before serving."""
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 30000)

@@ -1,8 +1,14 @@
-"""One scenario's findings, and the report every run writes: table, Markdown, JSON, plots."""
+"""One scenario's findings, and the report the runs build up: table, Markdown, JSON, plots.
+
+``results.json`` holds one entry per scenario, each with the run that produced
+it; a run replaces the entries of the scenarios it ran and keeps the others, and
+``report.md`` is rendered from all of them.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +41,18 @@ class Table:
         return [*out, ""]
 
 
+@dataclass(frozen=True)
+class Run:
+    """The run that produced a scenario's result."""
+
+    command: str  # as typed, without --out
+    when: str  # "2026-11-30 08:35 UTC"
+    quick: bool
+
+    def describe(self) -> str:
+        return f"`{self.command}` on {self.when}, {'quick' if self.quick else 'full'}"
+
+
 @dataclass
 class Result:
     scenario: str
@@ -49,8 +67,9 @@ class Result:
     def table(self) -> str:
         return "\n\n".join(t.text() for t in self.tables)
 
-    def markdown(self) -> str:
-        out = [f"## {self.title}", "", self.verdict, "", f"*How:* {self.method}", ""]
+    def markdown(self, run: Run) -> str:
+        out = [f"## {self.title}", "", f"*Run:* {run.describe()}.", "", self.verdict, ""]
+        out += [f"*How:* {self.method}", ""]
         for t in self.tables:
             out += t.markdown()
         if self.checks:
@@ -71,22 +90,59 @@ def _fmt(c: Cell) -> str:
 
 
 def write_report(results: Sequence[Result], out: Path, command: str, quick: bool) -> Path:
-    """``report.md`` and ``results.json`` under ``out``; returns the report's path."""
+    """Put ``results`` into ``out/results.json`` (each replaces its scenario's entry; the
+    other scenarios' stay), then render ``out/report.md`` from every entry; returns its path."""
     out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    run = Run(command, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), quick)
+    saved = load(out)
+    for r in results:
+        saved[r.scenario] = (run, r)
+    (out / "results.json").write_text(
+        json.dumps(
+            {name: {"run": asdict(run), "result": asdict(r)} for name, (run, r) in saved.items()},
+            indent=1,
+            default=str,
+        )
+    )
     head = [
         "# dprouter benchmark report",
         "",
-        f"`{command}` on {stamp}{' (--quick)' if quick else ''}. Ratios, not absolute "
-        "times, are what carry over to other machines: every comparison ran side by side "
-        "in the same run.",
+        "Each scenario comes from the run named in its row and section: `dprouter bench "
+        "SCENARIO` replaces that scenario's section and keeps the others. Ratios, not "
+        "absolute times, are what carry over to other machines: every comparison in a "
+        "scenario ran side by side in the same run.",
         "",
+        "| scenario | headline | run |",
+        "|---|---|---|",
     ]
-    summary = ["| scenario | headline |", "|---|---|"]
-    summary += [f"| {r.scenario} | {r.verdict} |" for r in results]
+    head += [f"| {r.scenario} | {r.verdict} | {run.describe()} |" for run, r in saved.values()]
     report = out / "report.md"
-    report.write_text("\n".join(head + summary) + "\n\n" + "\n".join(r.markdown() for r in results))
-    (out / "results.json").write_text(
-        json.dumps([asdict(r) for r in results], indent=1, default=str)
+    report.write_text(
+        "\n".join(head) + "\n\n" + "\n".join(r.markdown(run) for run, r in saved.values())
     )
     return report
+
+
+def load(out: Path) -> dict[str, tuple[Run, Result]]:
+    """What ``out/results.json`` holds, by scenario, in report order (none: empty)."""
+    path = out / "results.json"
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    if isinstance(raw, list):  # before results were kept by scenario: one run made them all
+        run = _run_of(out / "report.md")
+        return {r["scenario"]: (run, _result(r)) for r in raw}
+    return {name: (Run(**e["run"]), _result(e["result"])) for name, e in raw.items()}
+
+
+def _result(raw: dict[str, Any]) -> Result:
+    return Result(**{**raw, "tables": [Table(**t) for t in raw["tables"]]})
+
+
+def _run_of(report: Path) -> Run:
+    """The run a whole-report ``report.md`` names in its first paragraph."""
+    text = report.read_text() if report.exists() else ""
+    found = re.search(r"^`([^`]+)` on (.+? UTC)( \(--quick\))?\.", text, re.MULTILINE)
+    if found is None:
+        return Run("unknown", "an unknown date", quick=False)
+    return Run(found[1], found[2], quick=found[3] is not None)

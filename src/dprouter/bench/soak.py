@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dprouter.bench.peers import until_serving
 from dprouter.bench.plots import lines
-from dprouter.bench.procs import DPROUTER, Proc, free_port, rss_mb
+from dprouter.bench.procs import DPROUTER, Proc, rss_mb, url_in
 from dprouter.bench.results import Cell, Result, Table
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig, Faults
@@ -86,12 +86,10 @@ async def outstanding(url: str) -> float:
 
 async def soak(minutes: int) -> dict[str, object]:
     async with SimCluster([ENGINE] * 3) as cluster:
-        port = free_port()
         options = ["--read-timeout", "5", "--health-interval", "1", "--breaker-cooldown", "5"]
-        argv = [*DPROUTER, "serve", "--port", str(port), *options]
+        argv = [*DPROUTER, "serve", "--port", "0", *options]
         router = Proc([*argv, *(a for u in cluster.urls for a in ("--worker", u))])
-        await router.start(r"dprouter on http://")
-        url = f"http://127.0.0.1:{port}"
+        url = url_in(await router.start(r"dprouter on http://"))
         try:
             await until_serving(url)
             rss = [rss_mb(router.pid)]

@@ -1,0 +1,78 @@
+"""The package's faces: ``dprouter`` is the router's API, ``dprouter.sim`` the simulator's;
+the router and ``dprouter serve`` load neither the simulator nor the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import dprouter
+import dprouter.sim
+
+HEAVY = ("dprouter.sim", "dprouter.bench", "matplotlib", "tqdm")
+
+
+def loaded_after(code: str) -> list[str]:
+    """Which of HEAVY a fresh interpreter has imported after running ``code``."""
+    report = f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    probe = f"{code}\nimport json, sys\n{report}"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded: list[str] = json.loads(done.stdout.splitlines()[-1])
+    return loaded
+
+
+def test_public_names() -> None:
+    assert sorted(dprouter.__all__) == ["Router", "RouterConfig", "WorkerSpec", "build_app"]
+
+
+def test_simulator_names() -> None:
+    assert sorted(dprouter.sim.__all__) == [
+        "Arrival",
+        "Cluster",
+        "CostModel",
+        "EngineConfig",
+        "Faults",
+        "OfflineSim",
+        "RankLimits",
+        "SimCluster",
+        "SimReport",
+        "SimServer",
+        "fleet",
+    ]
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import dprouter; print(dprouter.Router)",
+        "import dprouter.config",
+        "import dprouter.serve",
+        # the command line as `dprouter serve --help` runs it
+        "import sys\nfrom dprouter.cli import main\nsys.argv = ['dprouter', 'serve', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass",
+    ],
+    ids=["dprouter", "config", "serve", "serve --help"],
+)
+def test_the_router_loads_neither_simulator_nor_benchmarks(code: str) -> None:
+    assert loaded_after(code) == []
+
+
+def test_the_bench_command_loads_its_extra_only_when_it_runs() -> None:
+    assert loaded_after("import dprouter.bench.command") == ["dprouter.bench"]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"], ["bench", "--help"]])
+def test_help(args: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dprouter", *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Usage: ")
+    if args == ["--help"]:
+        listed = [line.split()[0] for line in done.stdout.split("Commands:\n")[1].splitlines()]
+        assert listed == ["bench", "demo", "serve", "sim"]
