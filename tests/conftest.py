@@ -202,6 +202,16 @@ async def stalling(app: web.Application) -> AsyncIterator[Stalling]:
         loop.close()
 
 
+def reserve_port() -> socket.socket:
+    """A loopback port held, not listening: connections to it are refused, no other process
+    takes it, and a server binding it with SO_REUSEADDR (as ours do) gets it. Close it once
+    that server is up."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", 0))
+    return holder
+
+
 async def until(check: Callable[[], bool], seconds: float = 5.0) -> bool:
     """Poll ``check`` until it holds, for at most ``seconds``."""
     for _ in range(int(seconds / 0.02)):

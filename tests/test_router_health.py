@@ -149,8 +149,9 @@ async def test_failed_health_checks_take_a_worker_out_until_it_recovers(
     for _ in range(4):
         async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
             assert r.headers["X-From"] == "steady"
-    await asyncio.sleep(0.3)
-    assert not workers_["w0"].ready  # rediscovery waits for /health too: no flapping
+    checks = flaky.checks
+    assert await until(lambda: flaky.checks >= checks + 3, 5)  # rediscovery asks again...
+    assert not workers_["w0"].ready  # ...and waits for /health too: no flapping
     flaky.healthy = True
     assert await until(lambda: workers_["w0"].ready, 5)
     async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
@@ -170,8 +171,9 @@ async def test_an_engine_whose_health_fails_is_taken_out(
     )
     router = await start_router(config, settle=False)
     assert await until(lambda: router.registry.workers["w1"].ready, 5)
-    await asyncio.sleep(0.3)
-    assert not router.registry.workers["w0"].ready  # never admitted: /health says 503
+    sick_worker = router.registry.workers["w0"]
+    assert await until(lambda: "GET /health answered 503" in (sick_worker.error or ""), 5)
+    assert not sick_worker.ready  # never admitted: /health says 503
     for _ in range(4):
         async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
             assert r.headers["x-sim-engine"] == well.engine_id

@@ -155,7 +155,8 @@ async def test_bad_input_gets_clear_errors(
     async with http.post(chat, json={"messages": "hi"}) as r:
         assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
     async with http.post(router.url + "/generate", json={"text": "x"}) as r:
-        assert r.status == 503  # no SGLang worker for SGLang's own endpoint
+        assert r.status == 404  # no SGLang worker for SGLang's own endpoint, nor ever will be
+        assert "no SGLang worker is configured" in (await r.json())["error"]["message"]
     assert not engine.received  # nothing bad reached the engine
     async with http.post(url, json=PROMPT) as r:
         assert r.status == 200  # and the router keeps serving

@@ -9,12 +9,13 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig
+from dprouter.sim.config import EngineConfig, RankLimits
 from dprouter.sim.server import SimServer
-from tests.conftest import StartCluster, StartRouter, workers
+from tests.conftest import StartCluster, StartRouter, serving, workers
 from tests.test_sim_vllm import sse_events
 
 VLLM_DP8 = EngineConfig(persona="vllm", dp_size=8)
@@ -222,6 +223,75 @@ async def test_models_union_and_unknown_model(
     async with http.post(router.url + "/v1/completions", json={**PROMPT, "model": "gamma"}) as r:
         assert r.status == 404
         assert (await r.json())["error"]["message"] == "The model `gamma` does not exist."
+
+
+async def test_model_cards_pass_through_merged_per_model(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    short = EngineConfig(model="alpha", limits=RankLimits(max_model_len=4096, kv_tokens=8192))
+    a, b, c = (
+        await start_cluster([EngineConfig(model="alpha"), short, EngineConfig(model="beta")])
+    ).servers
+    router = await start_router(RouterConfig(workers=workers(a.url, b.url, c.url)))
+    async with http.get(router.url + "/v1/models") as r:
+        cards = {m["id"]: m for m in (await r.json())["data"]}
+    assert list(cards) == ["alpha", "beta"]
+    async with http.get(a.url + "/v1/models") as r:
+        (engine_card,) = (await r.json())["data"]
+    # the engine's own fields; max_model_len: the least of those that serve it (b's 4096)
+    assert cards["alpha"] == {**engine_card, "max_model_len": 4096}
+    assert cards["beta"]["max_model_len"] == 32_768 and cards["beta"]["owned_by"] == "vllm"
+    async with http.get(router.url + "/v1/models/beta") as r:
+        assert r.status == 200 and await r.json() == cards["beta"]
+    async with http.get(router.url + "/v1/models/gamma") as r:
+        assert r.status == 404
+        assert (await r.json())["error"]["message"] == "The model `gamma` does not exist."
+
+
+async def test_a_model_name_no_worker_lists_still_reaches_sglang(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """SGLang serves whatever name a client writes ("default" is common): such a name goes
+    to SGLang workers, never to a vLLM worker (which would refuse it)."""
+    vllm, sglang = (
+        await start_cluster([EngineConfig(model="alpha"), EngineConfig(persona="sglang")])
+    ).servers
+    router = await start_router(RouterConfig(workers=workers(vllm.url, sglang.url)))
+    seen = await served_by(http, router.url, 4, {**PROMPT, "model": "default"})
+    assert {e for e, _ in seen} == {sglang.engine_id}
+    assert [rec.body["model"] for rec in sglang.received] == ["default"] * 4
+    only_vllm = await start_router(RouterConfig(workers=workers(vllm.url)))
+    async with http.post(
+        only_vllm.url + "/v1/completions", json={**PROMPT, "model": "default"}
+    ) as r:
+        assert r.status == 404  # nothing could serve it
+
+
+async def test_generate_takes_max_new_tokens_zero_as_sglang_does(
+    start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    got: list[Any] = []
+
+    async def server_info(_: web.Request) -> web.Response:
+        return web.json_response({"dp_size": 1, "attn_dp_size": 1})
+
+    async def generate(request: web.Request) -> web.Response:
+        got.append(await request.json())
+        return web.json_response({"text": "", "meta_info": {"completion_tokens": 0}})
+
+    app = web.Application()
+    app.router.add_get("/server_info", server_info)
+    app.router.add_post("/generate", generate)
+    async with serving(app) as url:
+        router = await start_router(RouterConfig(workers=workers(url)))
+        body = {"text": "prefill only", "sampling_params": {"max_new_tokens": 0}}
+        async with http.post(router.url + "/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+        body["sampling_params"] = {"max_new_tokens": -1}
+        async with http.post(router.url + "/generate", json=body) as r:
+            assert r.status == 400
+            assert "max_new_tokens must be at least 0" in (await r.json())["error"]["message"]
+    assert [b["sampling_params"] for b in got] == [{"max_new_tokens": 0}]
 
 
 async def test_client_authorization_reaches_engines_only_when_configured(

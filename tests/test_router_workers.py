@@ -11,11 +11,19 @@ from aiohttp import web
 
 from dprouter import discovery, load
 from dprouter.config import ConfigError, RouterConfig, validate
-from dprouter.net import bind, url_of
+from dprouter.net import url_of
 from dprouter.sim.config import EngineConfig, PdConfig
 from dprouter.sim.server import SimServer
 from dprouter.targets import Worker
-from tests.conftest import StartCluster, StartRouter, background, serving, until, workers
+from tests.conftest import (
+    StartCluster,
+    StartRouter,
+    background,
+    reserve_port,
+    serving,
+    until,
+    workers,
+)
 
 TOKEN = "s3cret"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -118,19 +126,19 @@ async def test_hybrid_lb_endpoint_takes_local_ranks(
 async def test_a_late_worker_is_discovered_then_routed(
     start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    sock.close()
+    holder = reserve_port()
+    port = holder.getsockname()[1]
     router = await start_router(
         RouterConfig(workers=workers(url_of("127.0.0.1", port))), settle=False
     )
-    await asyncio.sleep(0.3)
     (worker,) = router.registry.workers.values()
-    assert worker.state == "discovering" and worker.error is not None
+    assert await until(lambda: worker.error == "DiscoveryError: connection refused")
+    assert worker.state == "discovering"
     async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
         assert r.status == 503  # never routed while unknown
     engine = SimServer(EngineConfig(persona="sglang", dp_size=2), port=port)
     await engine.start()
+    holder.close()
     try:
         assert await router.settled(10)
         async with http.post(router.url + "/v1/completions", json=PROMPT) as r:

@@ -7,12 +7,16 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import completions_engine, serving
+from dprouter.app import Router
+from dprouter.config import RouterConfig, WorkerSpec
+from dprouter.sim.config import EngineConfig, PdConfig
+from tests.conftest import StartCluster, completions_engine, serving, until
 from tests.test_cli import _serve, listening
 
 CHUNKS = 10
@@ -69,20 +73,24 @@ async def streaming(
             proc.kill()
 
 
+async def listener_closed(base: str) -> None:
+    """Return once a new connection to ``base`` is refused (within 10 s)."""
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                async with aiohttp.ClientSession() as fresh, fresh.get(base + "/health") as r:
+                    await r.read()
+            except aiohttp.ClientConnectionError:
+                return
+            await asyncio.sleep(0.02)
+
+
 async def test_sigterm_lets_every_stream_in_flight_finish_and_takes_no_new_ones(
     slow_stream: tuple[str, asyncio.Event], http: aiohttp.ClientSession
 ) -> None:
     async with streaming(slow_stream, http, grace=20, gap=0.1) as (proc, base, streams):
         proc.send_signal(signal.SIGTERM)
-        refused = False
-        async with asyncio.timeout(10):  # the listener closes at once
-            while not refused:
-                try:
-                    async with aiohttp.ClientSession() as fresh, fresh.get(base + "/health") as r:
-                        await r.read()
-                except aiohttp.ClientConnectionError:
-                    refused = True
-                await asyncio.sleep(0.02)
+        await listener_closed(base)  # at once
         answers = await asyncio.gather(*streams)
         code = await asyncio.wait_for(proc.wait(), 20)
     assert code == 0
@@ -94,9 +102,9 @@ async def test_sigterm_lets_every_stream_in_flight_finish_and_takes_no_new_ones(
 async def test_a_second_signal_exits_at_once(
     slow_stream: tuple[str, asyncio.Event], http: aiohttp.ClientSession
 ) -> None:
-    async with streaming(slow_stream, http, grace=60, gap=3.0) as (proc, _, streams):
+    async with streaming(slow_stream, http, grace=60, gap=3.0) as (proc, base, streams):
         proc.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
+        await listener_closed(base)  # the first signal was taken
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proc.wait(), 10)
@@ -104,3 +112,60 @@ async def test_a_second_signal_exits_at_once(
         answers = await asyncio.wait_for(asyncio.gather(*streams), 10)
     assert code == 1 and took < 5  # not the 60 s grace nor the 30 s of streams
     assert all(body.count(b"data: ") < CHUNKS + 1 for _, body in answers)  # cut short
+
+
+@pytest.mark.parametrize("path", ["plain", "pd"])
+async def test_when_the_grace_runs_out_streams_end_with_an_error_event_on_time(
+    start_cluster: StartCluster, http: aiohttp.ClientSession, path: str
+) -> None:
+    """``grace`` seconds after the stop, no sooner and no later (±0.5 s), a stream still
+    running ends with an error event and ``[DONE]``; meanwhile a new request on a kept-alive
+    connection hears 503 with ``Connection: close`` and ``Retry-After``, not a reset."""
+    slow = EngineConfig(time_scale=5.0)  # 200 tokens: about 6 s of stream
+    if path == "plain":
+        (engine,) = (await start_cluster([slow])).servers
+        config = RouterConfig(workers=(WorkerSpec(engine.url),), grace=1.0, port=0)
+    else:
+        pd = [PdConfig(mode="sglang", role=r) for r in ("prefill", "decode")]
+        prefill, decode = (
+            await start_cluster([replace(slow, persona="sglang", pd=p) for p in pd])
+        ).servers
+        specs = (WorkerSpec(prefill.url, role="prefill"), WorkerSpec(decode.url, role="decode"))
+        config = RouterConfig(workers=specs, pd="sglang", grace=1.0, port=0)
+    router = Router(config)
+    await router.start()
+    assert await router.settled(10)
+    body = {"prompt": "keep talking", "max_tokens": 200, "stream": True}
+    loop = asyncio.get_running_loop()
+
+    async def stream() -> tuple[float, bytes]:
+        async with http.post(router.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            first = await r.content.readany()
+            started.release()
+            rest = await r.read()
+            return loop.time(), first + rest
+
+    started = asyncio.Semaphore(0)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as kept:
+        async with kept.get(router.url + "/health") as r:
+            await r.read()  # its connection stays open, idle, in the pool
+        streams = [asyncio.create_task(stream()) for _ in range(3)]
+        for _ in streams:
+            await asyncio.wait_for(started.acquire(), 10)
+        t0 = loop.time()
+        stopping = asyncio.create_task(router.stop())
+        assert await until(lambda: router.parts.drain.draining)
+        async with kept.post(router.url + "/v1/completions", json=body) as r:
+            assert r.status == 503
+            assert (r.headers["Connection"], r.headers["Retry-After"]) == ("close", "1")
+            assert "stopping" in (await r.json())["error"]["message"]
+        ends = await asyncio.gather(*streams)
+        await asyncio.wait_for(stopping, 10)
+    for ended, text in ends:
+        assert 0.5 <= ended - t0 <= 1.5, ended - t0
+        events = [e for e in text.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert b"grace period ran out" in events[-2] and b'"code":503' in events[-2]
+        assert len(events) > 3  # tokens flowed before the cut
+    assert router.parts.drain.cut == 3

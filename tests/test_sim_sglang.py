@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections import Counter
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 
 from dprouter.sim.config import Dispatch, EngineConfig
 from dprouter.sim.tokens import tokenize
-from tests.conftest import StartCluster, background
+from tests.conftest import StartCluster, background, until
 from tests.test_sim_vllm import sse_events
 
 
@@ -135,7 +134,7 @@ async def test_loads_and_get_load_per_rank(
             await r.read()
 
     async with background(*(long(i) for i in range(3))):
-        await asyncio.sleep(0.1)
+        assert await until(lambda: engine.engine.ranks[1].num_running == 3)
         async with http.get(engine.url + "/v1/loads") as r:
             loads = await r.json()
         assert set(loads) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
@@ -200,7 +199,8 @@ async def test_load_balancing_dispatch_avoids_the_busy_rank(
     (engine,) = (await start_cluster([config])).servers
     busy = {"max_tokens": 300, "routed_dp_rank": 0}
     async with background(*(complete(http, engine.url, busy) for _ in range(4))):
-        await asyncio.sleep(0.05)
+        rank0 = engine.engine.ranks[0]
+        assert await until(lambda: rank0.num_running + rank0.num_waiting == 4)
         ranks = Counter([(await complete(http, engine.url, {}))[1] for _ in range(3)])
     assert ranks == {"1": 3}
 

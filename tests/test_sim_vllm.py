@@ -12,8 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dprouter.sim.config import CostModel, EngineConfig
+from dprouter.sim.server import SimServer
 from dprouter.sim.tokens import tokenize
-from tests.conftest import StartCluster
+from tests.conftest import StartCluster, until
 
 RANK = "X-data-parallel-rank"
 
@@ -203,7 +204,9 @@ async def test_dp_attention_lock_step_slows_a_lone_request(
         ]
     )
 
-    async def lone_request_time(url: str) -> float:
+    async def lone_request_time(engine: SimServer) -> float:
+        url = engine.url
+
         async def load(i: int) -> None:
             async with http.post(
                 url + "/v1/completions",
@@ -213,7 +216,8 @@ async def test_dp_attention_lock_step_slows_a_lone_request(
                 await r.read()
 
         loads = [asyncio.create_task(load(i)) for i in range(32)]
-        await asyncio.sleep(0.2)  # rank 0 is decoding its batch
+        rank0 = engine.engine.ranks[0]
+        assert await until(lambda: rank0.num_running == 32)  # rank 0 is decoding its batch
         t0 = time.perf_counter()
         async with http.post(
             url + "/v1/completions", headers={RANK: "1"}, json={"prompt": "alone", "max_tokens": 8}
@@ -223,8 +227,8 @@ async def test_dp_attention_lock_step_slows_a_lone_request(
         await asyncio.gather(*loads)
         return elapsed
 
-    free = await lone_request_time(cluster[0].url)
-    locked = await lone_request_time(cluster[1].url)
+    free = await lone_request_time(cluster[0])
+    locked = await lone_request_time(cluster[1])
     assert locked > 3 * free, (free, locked)
 
 

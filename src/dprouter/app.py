@@ -9,31 +9,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dprouter.admin import Admin, worker_from_spec
+from dprouter.admin import worker_from_spec
 from dprouter.admission import Admission, AdmissionOptions
 from dprouter.attempts import Rules
 from dprouter.breaker import BreakerOptions, Breakers
 from dprouter.config import RouterConfig, validate
+from dprouter.drain import Drain
+from dprouter.handlers import Handlers
 from dprouter.httplog import quiet_malformed
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
-from dprouter.openapi import describe
-from dprouter.parse import Kind
 from dprouter.pd.proxy import PairProxy
 from dprouter.pd.registration import Registration
 from dprouter.policies import Policy, make_policy
 from dprouter.proxy import Proxy
 from dprouter.registry import Registry
 from dprouter.relay import error
-from dprouter.targets import Role
 
 log = logging.getLogger("dprouter")
 
@@ -47,6 +45,7 @@ class Parts:
     metrics: RouterMetrics
     admission: Admission
     breakers: Breakers
+    drain: Drain = field(default_factory=Drain)  # requests in flight, for a graceful stop
     proxy: Proxy | PairProxy | None = None  # made at start-up, with the upstream session
     registration: Registration | None = None  # MoRIIO instances register here
 
@@ -93,67 +92,7 @@ def build_app(
     app = web.Application(client_max_size=config.max_body, middlewares=[_last_resort])
     app[PARTS] = parts
     app.cleanup_ctx.append(_lifecycle)
-
-    async def routed(request: web.Request, kind: Kind) -> web.StreamResponse:
-        assert parts.proxy is not None
-        refused = await parts.admission.enter()
-        if refused is not None:
-            parts.metrics.rejected.labels("overloaded").inc()
-            message = f"the router is at capacity ({refused}); retry later"
-            return error(429, message, headers={"Retry-After": "1"})
-        try:  # a stream holds its slot until its last byte
-            return await parts.proxy.handle(request, kind)
-        finally:
-            parts.admission.leave()
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await routed(request, "completion")
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await routed(request, "chat")
-
-    async def generate(request: web.Request) -> web.StreamResponse:
-        return await routed(request, "generate")
-
-    async def models(_: web.Request) -> web.Response:
-        cards = [
-            {"id": m, "object": "model", "owned_by": "dprouter"}
-            for m in parts.registry.snapshot.models()
-        ]
-        return web.json_response({"object": "list", "data": cards})
-
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def readiness(_: web.Request) -> web.Response:
-        snapshot = parts.registry.snapshot
-        roles: tuple[Role, ...] = ("prefill", "decode") if config.pd else ("regular",)
-        if all(snapshot.pool(role) for role in roles):
-            return web.json_response({"status": "ready"})
-        return error(503, f"no ready worker yet for {' and '.join(roles)}")
-
-    description = describe()
-
-    async def openapi(_: web.Request) -> web.Response:
-        return web.json_response(description)
-
-    async def metrics(_: web.Request) -> web.Response:
-        body = generate_latest(parts.metrics.prom)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app.add_routes(
-        [
-            web.post("/v1/completions", completions),
-            web.post("/v1/chat/completions", chat),
-            web.post("/generate", generate),
-            web.get("/v1/models", models),
-            web.get("/health", health),
-            web.get("/readiness", readiness),
-            web.get("/metrics", metrics),
-            web.get("/openapi.json", openapi),
-            *Admin(config, registry, parts.monitor).routes(),
-        ]
-    )
+    app.add_routes(Handlers(parts).routes())
     return app
 
 
@@ -280,14 +219,17 @@ class Router:
         self.port = sock.getsockname()[1]
         # a client that leaves cancels its handler, which closes the upstream request;
         # stopping closes the listener first, then gives in-flight requests the grace period
+        # (``Drain``); aiohttp's own shutdown then finds them done
         self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=self.config.grace
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
         await self._runner.setup()
         self._site = web.SockSite(self._runner, sock)
         await self._site.start()
 
     async def stop(self) -> None:
+        """Stop listening; requests in flight get ``config.grace`` seconds, then are cut
+        (``parts.drain.cut`` counts them)."""
         if self._site is not None:
             # Close the listener, then let the handlers of connections accepted just before
             # start: aiohttp's shutdown closes idle connections, but one whose handler has not
@@ -298,6 +240,7 @@ class Router:
             for _ in range(3):
                 await asyncio.sleep(0)
         if self._runner is not None:
+            await self.parts.drain.run(self.config.grace)
             await self._runner.cleanup()
             self._runner = None
 

@@ -34,10 +34,14 @@ class Discovered:
     ranks: int | None  # None: the engine does not say
     rank_offset: int
     dp_attention: bool
-    models: tuple[str, ...]
+    cards: tuple[dict[str, Any], ...]  # the engine's /v1/models entries, as it wrote them
     tp_size: int | None = None
     bootstrap_port: int | None = None  # SGLang prefill
     role: str | None = None  # SGLang's disaggregation_mode, when it says
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(card["id"] for card in self.cards)
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
@@ -79,11 +83,12 @@ async def vllm_engines(session: aiohttp.ClientSession, base: str) -> list[int]:
     return sorted(labels)
 
 
-async def models(session: aiohttp.ClientSession, base: str) -> tuple[str, ...]:
+async def models(session: aiohttp.ClientSession, base: str) -> tuple[dict[str, Any], ...]:
+    """The engine's model cards (``GET /v1/models``), each with a string ``id``."""
     try:
         status, body = await _get(session, base + "/v1/models")
         data = orjson.loads(body)["data"] if status == 200 else []
-        return tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+        return tuple(m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return ()
 
@@ -150,7 +155,7 @@ def sglang_ranks(base: str, info: dict[str, Any]) -> tuple[int, bool]:
     return dp * attn, flag or attn > 1
 
 
-def sglang_found(base: str, info: dict[str, Any], served: tuple[str, ...]) -> Discovered:
+def sglang_found(base: str, info: dict[str, Any], served: tuple[dict[str, Any], ...]) -> Discovered:
     ranks, lock_step = sglang_ranks(base, info)
     mode = info.get("disaggregation_mode")
     port = info.get("disaggregation_bootstrap_port")
@@ -195,6 +200,7 @@ def apply(worker: Worker, found: Discovered) -> None:
         worker.rank_offset = found.rank_offset
     worker.dp_attention = found.dp_attention
     worker.models = found.models
+    worker.cards = {card["id"]: card for card in found.cards}
     worker.tp_size = worker.tp_size or found.tp_size or 1
     if worker.bootstrap_port is None:
         worker.bootstrap_port = found.bootstrap_port

@@ -49,12 +49,12 @@ def _typed(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: st
     return value
 
 
-def _limit(body: Mapping[str, Any], *names: str) -> int | None:
+def _limit(body: Mapping[str, Any], *names: str, least: int = 1) -> int | None:
     for name in names:
         value = _typed(body, name, (int,), "an integer")
         if value is not None:
-            if value < 1:
-                raise BadRequest(f"{name} must be at least 1, got {value}", name)
+            if value < least:
+                raise BadRequest(f"{name} must be at least {least}, got {value}", name)
             return int(value)
     return None
 
@@ -127,7 +127,7 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
     stream = bool(_typed(body, "stream", (bool,), "true or false"))
     if kind == "generate":
         params = _typed(body, "sampling_params", (dict,), "an object") or {}
-        limit = _limit(params, "max_new_tokens")
+        limit = _limit(params, "max_new_tokens", least=0)  # SGLang: 0 is prefill only
     else:
         limit = _limit(body, "max_completion_tokens", "max_tokens")
     text, prompt_tokens = _prompt(body, kind)
@@ -137,5 +137,5 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         stream=stream,
         key=routing_key(headers, body),
         text=text,
-        tokens=prompt_tokens + (limit or DEFAULT_OUTPUT),
+        tokens=prompt_tokens + (DEFAULT_OUTPUT if limit is None else limit),
     )

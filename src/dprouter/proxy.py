@@ -121,6 +121,10 @@ class Proxy:
             self.metrics.rejected.labels("unknown_model").inc()
             message = f"The model `{incoming.model}` does not exist."
             return error(404, message, "model")
+        if dialect and all(w.dialect == "vllm" for w in self.registry.workers.values()):
+            self.metrics.rejected.labels("no_target").inc()  # and none ever will be
+            message = "no SGLang worker is configured: /generate is SGLang's own endpoint"
+            return error(404, message)
         self.metrics.rejected.labels("no_target").inc()
         what = "SGLang worker for /generate" if dialect else "worker"
         return error(503, f"no ready {what} to route to")

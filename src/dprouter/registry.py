@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dprouter.targets import DialectName, Role, Target, Worker
 
@@ -41,12 +42,14 @@ class Snapshot:
         found = self._pools.get(key)
         if found is None:
             if model is not None and model not in self.known_models:
-                # a name no worker lists: never cached, so clients cannot grow the cache
+                # a name no worker lists goes where any name is served: SGLang engines (they
+                # serve whatever a client writes, "default" say) and workers that list none.
+                # Never cached, so clients cannot grow the cache
                 return interleave(
                     w
                     for w in self.workers
                     if w.role == role
-                    and not (w.models or w.model)
+                    and (w.dialect == "sglang" or not (w.models or w.model))
                     and (dialect is None or w.dialect == dialect)
                 )
 
@@ -59,6 +62,19 @@ class Snapshot:
             ]
             found = self._pools[key] = interleave(chosen)
         return found
+
+    def model_cards(self) -> dict[str, dict[str, Any]]:
+        """One card per model, as the engines wrote it (the first worker listing it), with
+        the smallest ``max_model_len`` of those that serve it: a request fits them all."""
+        cards: dict[str, dict[str, Any]] = {}
+        for w in self.workers:
+            for m in w.models or ((w.model,) if w.model else ()):
+                card = w.cards.get(m) or {"id": m, "object": "model", "owned_by": "dprouter"}
+                seen = cards.setdefault(m, dict(card))
+                limits = [x for x in (seen.get("max_model_len"), card.get("max_model_len")) if x]
+                if limits:
+                    seen["max_model_len"] = min(limits)
+        return cards
 
     def models(self) -> list[str]:
         seen: dict[str, None] = {}

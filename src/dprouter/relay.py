@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from dprouter.drain import grace_over
 from dprouter.metrics import TargetSeries
 from dprouter.targets import Target
 
@@ -109,7 +110,8 @@ async def relay(
         else:
             resp = web.StreamResponse(status=upstream.status, headers=headers)
             await resp.prepare(request)
-            await _stream(resp, upstream, target, series, started)
+            if not await _stream(resp, upstream, target, series, started):
+                return resp  # cut short (upstream closed below): counted as cut, not answered
         done = True
     finally:
         if done:
@@ -127,7 +129,9 @@ async def _stream(
     target: Target,
     series: TargetSeries,
     started: float,
-) -> None:
+) -> bool:
+    """Pass the stream on; False when it was cut before its end (the client still gets a
+    well-formed ending: an error event and ``[DONE]``)."""
     loop = asyncio.get_running_loop()
     tail = b"\n\n"  # the last bytes written: an event boundary, or not
     first = True
@@ -147,6 +151,23 @@ async def _stream(
             else f"upstream {target.label} closed the stream before it finished"
         )
         resp[CUT] = True
-        gap = b"" if tail == b"\n\n" else b"\n\n"  # end a half-written event first
-        await resp.write(gap + sse_error(502, message))
+        await _last_words(resp, tail, sse_error(502, message))
+        return True  # answered, though badly: the caller counts it against the target
+    except asyncio.CancelledError as exc:
+        if not grace_over(exc):
+            raise  # the client left: nobody to tell
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()
+        series.failed("shutdown")
+        message = "the router stopped: its grace period ran out before this stream ended"
+        await _last_words(resp, tail, sse_error(503, message))
+        return False
+    await resp.write_eof()
+    return True
+
+
+async def _last_words(resp: web.StreamResponse, tail: bytes, event: bytes) -> None:
+    gap = b"" if tail == b"\n\n" else b"\n\n"  # end a half-written event first
+    await resp.write(gap + event)
     await resp.write_eof()

@@ -10,7 +10,7 @@ snapshot it is given.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from yarl import URL
 
@@ -54,6 +54,7 @@ class Worker:
     ranks: int = 0  # DP ranks this endpoint takes (0: not discovered yet)
     dp_attention: bool = False
     models: tuple[str, ...] = ()
+    cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # as /v1/models wrote them
     state: Literal["discovering", "ready", "error"] = "discovering"
     error: str | None = None
     # load of the whole worker, kept with its targets'

@@ -1,0 +1,113 @@
+"""The router's own routes, as methods of one small class with a literal route table."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dprouter.admin import Admin
+from dprouter.drain import grace_over
+from dprouter.openapi import describe
+from dprouter.parse import Kind
+from dprouter.relay import error
+from dprouter.targets import Role
+
+if TYPE_CHECKING:
+    from dprouter.app import Parts
+
+STOPPING = {"Retry-After": "1"}  # and Connection: close (see _closing)
+
+
+class Handlers:
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        self.description = describe()
+
+    def routes(self) -> list[web.RouteDef]:
+        p = self.parts
+        return [
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/generate", self.generate),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),
+            web.get("/health", self.health),
+            web.get("/readiness", self.readiness),
+            web.get("/metrics", self.metrics),
+            web.get("/openapi.json", self.openapi),
+            *Admin(p.config, p.registry, p.monitor).routes(),
+        ]
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.routed(request, "completion")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.routed(request, "chat")
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self.routed(request, "generate")
+
+    async def routed(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        p = self.parts
+        assert p.proxy is not None
+        if p.drain.draining:  # a kept-alive connection's next request, after SIGTERM
+            p.metrics.rejected.labels("stopping").inc()
+            return _closing(error(503, "the router is stopping; retry", headers=STOPPING))
+        task = p.drain.enter()
+        try:
+            refused = await p.admission.enter()
+            if refused is not None:
+                p.metrics.rejected.labels("overloaded").inc()
+                message = f"the router is at capacity ({refused}); retry later"
+                return error(429, message, headers={"Retry-After": "1"})
+            try:  # a stream holds its slot until its last byte
+                return await p.proxy.handle(request, kind)
+            finally:
+                p.admission.leave()
+        except asyncio.CancelledError as exc:
+            if not grace_over(exc):
+                raise  # the client left
+            if task is not None:
+                task.uncancel()
+            message = "the router stopped: its grace period ran out before the engine answered"
+            return _closing(error(503, message, headers=STOPPING))
+        finally:
+            p.drain.leave(task)
+
+    async def models(self, _: web.Request) -> web.Response:
+        cards = list(self.parts.registry.snapshot.model_cards().values())
+        return web.json_response({"object": "list", "data": cards})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        card = self.parts.registry.snapshot.model_cards().get(name)
+        if card is None:
+            return error(404, f"The model `{name}` does not exist.", "model")
+        return web.json_response(card)
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readiness(self, _: web.Request) -> web.Response:
+        if self.parts.drain.draining:
+            return error(503, "the router is stopping")
+        snapshot = self.parts.registry.snapshot
+        roles: tuple[Role, ...] = ("prefill", "decode") if self.parts.config.pd else ("regular",)
+        if all(snapshot.pool(role) for role in roles):
+            return web.json_response({"status": "ready"})
+        return error(503, f"no ready worker yet for {' and '.join(roles)}")
+
+    async def openapi(self, _: web.Request) -> web.Response:
+        return web.json_response(self.description)
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        body = generate_latest(self.parts.metrics.prom)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _closing(resp: web.Response) -> web.Response:
+    resp.force_close()  # the client opens a new connection: to a router that listens
+    return resp
