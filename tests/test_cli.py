@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import aiohttp
+import click
 import pytest
 
 from dprouter.demo import run_demo
@@ -56,16 +57,35 @@ async def test_sim_command_serves_engines_and_stops_on_sigterm(
     assert code == 0
 
 
-def test_bad_options_fail_with_a_message() -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sim", "--dispatch", "round_robin"], "the vllm persona dispatches by load score"),
+        (["sim", "--slow-rank", "3"], "Invalid value for --slow-rank: '3': expected RANK=FACTOR, e.g. 3=4.0"),
+        (["sim", "--slow-rank", "3=fast"], "'3=fast': expected RANK=FACTOR"),
+        (["serve", "--dp-aware", "on", "--worker", "http://127.0.0.1:1"], "'auto', 'off'"),
+        (["serve", "--worker", "http://127.0.0.1:1/v1"], "has a path (/v1): give the engine's"),
+        (["serve", "--worker", "http://127.0.0.1:1,dp_size=two"], "dp_size must be an integer"),
+    ],
+)
+def test_bad_options_fail_with_a_message(args: list[str], message: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "dprouter", "sim", "--dispatch", "shortest_queue"],
+        [sys.executable, "-m", "dprouter", *args],
         capture_output=True,
         text=True,
         timeout=60,
         stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 2
-    assert "the vllm persona dispatches by load score" in result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_every_serve_option_says_what_it_does() -> None:
+    from dprouter.serve import serve
+
+    silent = [o.name for o in serve.params if isinstance(o, click.Option) and not o.help]
+    assert silent == []
 
 
 async def _serve(*args: str) -> asyncio.subprocess.Process:
@@ -119,8 +139,9 @@ async def test_serve_refuses_a_misconfigured_dp_size(start_cluster: StartCluster
     proc = await _serve("--worker", f"{engine.url},dp_size=4")
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 1
-    assert b"configured with dp_size 4 but the engine reports 2 rank(s)" in err
-    assert b"refusing to start with misconfigured workers" in err
+    # said once, with its reason, then named in the exit message
+    assert err.count(b"configured with dp_size 4 but the engine reports 2 rank(s)") == 1
+    assert b"refusing to start with misconfigured workers: w0" in err
 
 
 def test_serve_rejects_contradictory_options() -> None:

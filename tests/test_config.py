@@ -95,7 +95,7 @@ def test_toml_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (RouterConfig(dp_aware="Off"), "dp_aware must be auto, on or off"),  # type: ignore[arg-type]
+        (RouterConfig(dp_aware="Off"), "dp_aware must be auto or off"),  # type: ignore[arg-type]
         (RouterConfig(sessions="no"), "sessions must be bool"),  # type: ignore[arg-type]
         (RouterConfig(port="80"), "port must be int"),  # type: ignore[arg-type]
         (RouterConfig(attempts=True), "attempts must be int"),

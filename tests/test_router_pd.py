@@ -76,7 +76,7 @@ async def deploy(
         kw |= {
             "transfer_mode": transfer,
             "heartbeat": 0.05,
-            "proxy_address": r.parts.registration.address,
+            "registration": r.parts.registration.address,
         }
     # "TP8" shapes: one rank per instance, tensor parallel 8 (their peers are told so)
     configs = [replace(engine(mode, "prefill", p[1], **kw), tp_size=8 if p[1] == 1 else 1)] * p[0]
@@ -259,7 +259,7 @@ async def test_registered_instances_expire_and_return(
         settle=False,
     )
     assert router.parts.registration is not None
-    beat = {"heartbeat": 0.05, "proxy_address": router.parts.registration.address}
+    beat = {"heartbeat": 0.05, "registration": router.parts.registration.address}
     decode = SimServer(engine("vllm-moriio", "decode", 2, **beat))
     other = SimServer(engine("vllm-moriio", "prefill", 1, transfer_mode="WRITE", **beat))
     workers = router.registry.workers

@@ -162,7 +162,7 @@ async def test_moriio_engines_send_registration_heartbeats() -> None:
             "decode",
             dp=4,
             transfer_mode="WRITE",
-            proxy_address=f"tcp://127.0.0.1:{port}",
+            registration=f"tcp://127.0.0.1:{port}",
             heartbeat=0.05,
         )
     )

@@ -140,7 +140,7 @@ async def test_loads_and_get_load_per_rank(
         assert set(loads) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
         per_rank = {x["dp_rank"]: x for x in loads["loads"]}
         assert per_rank[0]["num_running_reqs"] == 0 and per_rank[1]["num_running_reqs"] == 3
-        assert per_rank[1]["num_used_tokens"] > 3 * len(tokenize("busy 0"))
+        assert per_rank[1]["num_used_tokens"] >= 3 * len(tokenize("busy 0"))
         assert 0 < per_rank[1]["token_usage"] < 1
         assert per_rank[1]["max_total_num_tokens"] == config.limits.kv_tokens
         async with http.get(engine.url + "/v1/loads?dp_rank=1") as r:

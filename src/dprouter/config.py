@@ -19,7 +19,7 @@ from typing import Any, Literal
 from dprouter.policies import POLICIES, PolicyOptions
 from dprouter.targets import ROLES, DialectName, Role, normalise_url
 
-DpAware = Literal["auto", "on", "off"]
+DpAware = Literal["auto", "off"]
 PdMode = Literal["vllm-nixl", "vllm-moriio", "sglang"]
 PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-moriio", "sglang")
 
@@ -127,8 +127,8 @@ def check_types(obj: object, where: str) -> None:
 
 def validate(config: RouterConfig) -> RouterConfig:
     check_types(config, "")
-    if config.dp_aware not in ("auto", "on", "off"):
-        raise ConfigError(f"dp_aware must be auto, on or off, got {config.dp_aware!r}")
+    if config.dp_aware not in ("auto", "off"):
+        raise ConfigError(f"dp_aware must be auto or off, got {config.dp_aware!r}")
     warnings = list(config.warnings)
     policy, assignment = config.policy, config.assignment
     if policy is not None and policy not in POLICIES:

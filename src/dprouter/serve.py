@@ -89,8 +89,18 @@ def make_config(
 @click.option(
     "--decode", "decodes", multiple=True, metavar="URL[,key=value...]", help="A decode engine."
 )
-@click.option("--prefill-policy", type=click.Choice(list(POLICIES)), default=None)
-@click.option("--decode-policy", type=click.Choice(list(POLICIES)), default=None)
+@click.option(
+    "--prefill-policy",
+    type=click.Choice(list(POLICIES)),
+    default=None,
+    help="P/D: policy over prefill targets (default --policy).",
+)
+@click.option(
+    "--decode-policy",
+    type=click.Choice(list(POLICIES)),
+    default=None,
+    help="P/D: policy over decode targets (default --policy).",
+)
 @click.option(
     "--registration",
     default="tcp://127.0.0.1:36367",
@@ -104,8 +114,14 @@ def make_config(
     show_default=True,
     help="MoRIIO: expire an instance silent this long.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8080,
+    show_default=True,
+    help="Port to listen on (0: any free port; the log says which).",
+)
 @click.option(
     "--policy",
     type=click.Choice(list(POLICIES)),
@@ -121,7 +137,7 @@ def make_config(
 @click.option("--sessions", is_flag=True, help="Clients send routing keys: keep them sticky.")
 @click.option(
     "--dp-aware",
-    type=click.Choice(["auto", "on", "off"]),
+    type=click.Choice(["auto", "off"]),
     default="auto",
     show_default=True,
     help="Route to ranks of DP engines (off: engines pick).",
@@ -132,11 +148,37 @@ def make_config(
     is_flag=True,
     help="Pass clients' Authorization header on to the engines.",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--key-ttl", type=click.FloatRange(min=0), default=3600.0, show_default=True)
-@click.option("--max-body", type=click.IntRange(min=1), default=32 << 20, show_default=True)
-@click.option("--backlog", type=click.IntRange(min=1), default=4096, show_default=True)
-@click.option("--attempts", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the random policies' choices."
+)
+@click.option(
+    "--key-ttl",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    show_default=True,
+    help="manual: forget a routing key idle this many seconds.",
+)
+@click.option(
+    "--max-body",
+    type=click.IntRange(min=1),
+    default=32 << 20,
+    show_default=True,
+    help="Largest request body in bytes (413 beyond).",
+)
+@click.option(
+    "--backlog",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="Listen backlog: a burst queues here instead of being reset.",
+)
+@click.option(
+    "--attempts",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Tries per request before its first byte, each on another target.",
+)
 @click.option(
     "--retry-backoff",
     type=click.FloatRange(min=0),
@@ -249,7 +291,13 @@ def make_config(
     show_default=True,
     help="Seconds without a byte from the engine before the attempt fails (0: none).",
 )
-@click.option("--startup-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True)
+@click.option(
+    "--startup-timeout",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for discovery before serving (workers still discovering join later).",
+)
 @click.option(
     "--admin-token",
     envvar="DPROUTER_ADMIN_TOKEN",
@@ -261,6 +309,7 @@ def make_config(
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
     show_default=True,
+    help="How much the router logs.",
 )
 @click.pass_context
 def serve(
@@ -306,11 +355,10 @@ async def run(config: RouterConfig) -> None:
         if not await router.settled(config.startup_timeout):
             waiting = [w.id for w in router.registry.workers.values() if w.state == "discovering"]
             log.warning("still discovering %s; they get traffic once they answer", waiting)
-        refused = [w for w in router.registry.workers.values() if w.state == "error"]
-        if refused:
-            for w in refused:
-                log.error("worker %s (%s): %s", w.id, w.url, w.error)
-            raise click.ClickException("refusing to start with misconfigured workers (see above)")
+        refused = [w.id for w in router.registry.workers.values() if w.state == "error"]
+        if refused:  # each was logged, with its reason, when it was refused
+            names = ", ".join(refused)
+            raise click.ClickException(f"refusing to start with misconfigured workers: {names}")
         snapshot = router.registry.snapshot
         targets = sum(len(snapshot.pool(role)) for role in ROLES)
         log.info("dprouter on %s: policy %s, %d target(s)", router.url, config.policy_name, targets)

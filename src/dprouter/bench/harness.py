@@ -47,7 +47,7 @@ class SimRouter:
         text = " ".join(map(str, arrival.prompt_ids[:512]))  # affinity sees the prompt's start
         tokens = len(arrival.prompt_ids) + arrival.max_tokens
         target: Target = self.policy.select(
-            self.pool, RequestInfo(arrival.key, text, tokens, cluster.now)
+            self.pool, RequestInfo(key=arrival.key, text=text, tokens=tokens, now=cluster.now)
         )
         guard = Outstanding(target, tokens)
         guard.__enter__()

@@ -34,9 +34,8 @@ class RolloutSessions:
 
     Every session runs ``turns`` turns back to back; a turn's output length is
     log-normal (median ``decode_median``, capped), the next prompt adds a tool
-    result of 100-600 tokens. ``deadline`` marks turns that took too long, the
-    way a rollout's timeout does; ``episodes`` keeps each session's (start, end)
-    -- an RL step ends when its last episode does."""
+    result of 100-600 tokens. ``episodes`` keeps each session's (start, end) -- an
+    RL step ends when its last episode does."""
 
     sessions: int = 128
     turns: int = 6
@@ -46,9 +45,7 @@ class RolloutSessions:
     system: int = 400
     seed: int = 0
     spread: float = 2.0  # sessions start over this many seconds
-    deadline: float = 120.0
     max_context: int = 30_000  # a session ends before its context would outgrow the engines
-    latencies: list[float] = field(default_factory=list)
     episodes: dict[str, tuple[float, float]] = field(default_factory=dict)
     _rng: random.Random = field(init=False)
     _state: dict[str, _Session] = field(init=False)
@@ -72,7 +69,6 @@ class RolloutSessions:
         return sorted(out, key=lambda a: a.time)
 
     def next_turn(self, done: Arrival, req: SimRequest, now: float) -> Arrival | None:
-        self.latencies.append(now - done.time)
         s = self._state[done.key or ""]
         s.turns_left -= 1
         self.episodes[s.key] = (s.started, now)  # the end so far
@@ -83,9 +79,6 @@ class RolloutSessions:
         if len(s.context) + decode > self.max_context:
             return None
         return Arrival(now, list(s.context), decode, key=s.key)
-
-    def past_deadline(self) -> int:
-        return sum(1 for x in self.latencies if x > self.deadline)
 
 
 @dataclass

@@ -14,9 +14,9 @@ from dprouter.targets import Target
 Assignment = Literal["random", "min_load", "min_group"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestInfo:
-    """What a policy may know about a request."""
+    """What a policy may know about a request (named on construction, never by position)."""
 
     key: str | None = None  # routing key (session), if the client sent one
     text: str = ""  # prompt text, for prefix affinity

@@ -21,9 +21,22 @@ from dprouter.sim.config import (
 )
 
 
+def slow_rank(text: str) -> tuple[int, float]:
+    """``RANK=FACTOR`` of ``--slow-rank``, or a message naming the option and the form."""
+    rank, sep, factor = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(rank), float(factor)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: expected RANK=FACTOR, e.g. 3=4.0", param_hint="--slow-rank"
+        ) from None
+
+
 def build(o: dict[str, Any]) -> list[EngineConfig]:
     """One config per engine (P/D engines each get their own bootstrap port)."""
-    slow = {int(k): float(v) for k, v in (s.split("=", 1) for s in o["slow_ranks"])}
+    slow = dict(slow_rank(s) for s in o["slow_ranks"])
     pd = None
     if o["pd"] or o["role"]:
         if not (o["pd"] and o["role"]):
@@ -32,7 +45,7 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
             mode=o["pd"],
             role=o["role"],
             transfer_mode=o["transfer_mode"],
-            proxy_address=o["proxy_address"],
+            registration=o["registration"],
             bootstrap_port=o["bootstrap_port"],
             kv_wait=o["kv_wait"],
         )
@@ -122,10 +135,10 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
     help="MoRIIO transfer mode.",
 )
 @click.option(
-    "--proxy-address",
+    "--registration",
     default=None,
     metavar="tcp://HOST:PORT",
-    help="MoRIIO: send registration heartbeats here.",
+    help="MoRIIO: the router's registration address (serve --registration): heartbeats go there.",
 )
 @click.option(
     "--bootstrap-port",

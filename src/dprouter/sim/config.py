@@ -114,7 +114,7 @@ class PdConfig:
     mode: PdMode
     role: Literal["prefill", "decode"]
     transfer_mode: Literal["READ", "WRITE"] = "READ"  # MoRIIO
-    proxy_address: str | None = None  # MoRIIO: where to send registration heartbeats
+    registration: str | None = None  # MoRIIO: where to send registration heartbeats
     heartbeat: float = 3.0  # MoRIIO: seconds between heartbeats
     bootstrap_port: int = 0  # SGLang prefill: the bootstrap listener (0: any free port)
     kv_wait: float = 5.0  # decode: wall seconds to wait for the KV to be produced

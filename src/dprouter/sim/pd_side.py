@@ -52,7 +52,7 @@ class PdSide:
             sock = bind(self.server.host, self.bootstrap_port or self.pd.bootstrap_port)
             self.bootstrap_port = sock.getsockname()[1]
             await web.SockSite(self._bootstrap, sock).start()
-        if self.pd.mode == "vllm-moriio" and self.pd.proxy_address:
+        if self.pd.mode == "vllm-moriio" and self.pd.registration:
             self._heartbeat = asyncio.create_task(self._register(), name="moriio-heartbeat")
 
     async def stop(self) -> None:
@@ -120,7 +120,7 @@ class PdSide:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(str(self.pd.proxy_address))
+        sock.connect(str(self.pd.registration))
         try:
             while True:
                 await sock.send(msgpack.packb(self.registration()))

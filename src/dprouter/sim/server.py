@@ -90,12 +90,9 @@ class SimServer:
 
     def _make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[endpoints.not_found])
-        app.add_routes(endpoints.common_routes(self))
         if self.persona.name == "vllm":
             self.registry = vllm_registry(self.engine)
-            app.add_routes(endpoints.vllm_routes(self))
-        else:
-            app.add_routes(endpoints.sglang_routes(self))
+        app.add_routes(endpoints.Endpoints(self).routes())
         if self.pd is not None:
             app.add_routes(self.pd.routes())
         return app

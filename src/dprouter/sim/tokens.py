@@ -75,7 +75,3 @@ def prompt_digest(ids: Sequence[int]) -> int:
 def output_token(digest: int, index: int) -> str:
     word = WORDS[zlib.crc32(index.to_bytes(4, "little"), digest) % len(WORDS)]
     return " " + word
-
-
-def output_text(digest: int, count: int) -> str:
-    return "".join(output_token(digest, i) for i in range(count))
