@@ -61,7 +61,10 @@ async def test_sim_command_serves_engines_and_stops_on_sigterm(
     ("args", "message"),
     [
         (["sim", "--dispatch", "round_robin"], "the vllm persona dispatches by load score"),
-        (["sim", "--slow-rank", "3"], "Invalid value for --slow-rank: '3': expected RANK=FACTOR, e.g. 3=4.0"),
+        (
+            ["sim", "--slow-rank", "3"],
+            "Invalid value for --slow-rank: '3': expected RANK=FACTOR, e.g. 3=4.0",
+        ),
         (["sim", "--slow-rank", "3=fast"], "'3=fast': expected RANK=FACTOR"),
         (["serve", "--dp-aware", "on", "--worker", "http://127.0.0.1:1"], "'auto', 'off'"),
         (["serve", "--worker", "http://127.0.0.1:1/v1"], "has a path (/v1): give the engine's"),
