@@ -108,6 +108,11 @@ def test_toml_file(tmp_path: Path) -> None:
             "register themselves over ZMQ",
         ),
         (RouterConfig(pd="nixl"), "--pd must be one of"),  # type: ignore[arg-type]
+        # what the command line checks by its option types, a file must not slip past
+        (RouterConfig(connect_timeout=-1.0), "connect_timeout must be > 0"),
+        (RouterConfig(read_timeout=-5.0), "read_timeout must be >= 0"),
+        (RouterConfig(backlog=0), "backlog must be > 0"),
+        (RouterConfig(key_ttl=-1.0), "key_ttl must be >= 0"),
         (RouterConfig(pd="sglang", dp_aware="off"), "drop --dp-aware off"),
     ],
 )

@@ -94,6 +94,24 @@ async def test_an_sglang_shape_dprouter_cannot_read_is_refused_with_its_fields(
     assert router.registry.snapshot.pool() == ()
 
 
+async def test_a_worker_configured_as_the_other_kind_is_refused_not_retried(
+    start_cluster: StartCluster, start_router: StartRouter
+) -> None:
+    vllm, sglang = (
+        await start_cluster([EngineConfig(dp_size=2), EngineConfig(persona="sglang")])
+    ).servers
+    config = RouterConfig(
+        workers=(*workers(vllm.url, dialect="sglang"), *workers(sglang.url, dialect="vllm"))
+    )
+    router = await start_router(config)
+    errors = [w.error for w in router.registry.workers.values()]
+    assert errors == [
+        f"{vllm.url} is configured sglang but answers as vllm",
+        f"{sglang.url} is configured vllm but answers as sglang",
+    ]
+    assert router.registry.snapshot.pool() == ()
+
+
 @pytest.fixture
 async def hybrid_metrics() -> AsyncIterator[str]:
     """A vLLM hybrid-LB endpoint's /metrics: it shows only its local engines 8..11."""

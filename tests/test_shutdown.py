@@ -169,3 +169,8 @@ async def test_when_the_grace_runs_out_streams_end_with_an_error_event_on_time(
         assert b"grace period ran out" in events[-2] and b'"code":503' in events[-2]
         assert len(events) > 3  # tokens flowed before the cut
     assert router.parts.drain.cut == 3
+    # and the engine was told: the connection closed (it stops), SGLang also asked to abort
+    engine = decode if path == "pd" else engine
+    assert await until(lambda: engine.active == 0)
+    if path == "pd":
+        assert await until(lambda: len(decode.abort_requests) == 3)

@@ -76,7 +76,7 @@ class RouterConfig:
     first_byte_timeout: float = 0.0  # seconds to the answer's headers; 0: --read-timeout
     grace: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     load_interval: float = 1.0  # seconds between scrapes of engine-reported load; 0: off
-    startup_timeout: float = 10.0  # serve waits this long for discovery before listening
+    startup_timeout: float = 10.0  # serve waits this long for discovery, then checks workers
     admin_token: str | None = None  # None: the admin API is off
     pd: PdMode | None = None  # P/D disaggregation flow, chosen once; None: regular workers
     prefill_policy: str | None = None  # None: --policy (round_robin)
@@ -168,9 +168,16 @@ def validate(config: RouterConfig) -> RouterConfig:
         "first_byte_timeout",
         "retry_backoff",
         "total_timeout",
+        "read_timeout",
+        "load_interval",
+        "key_ttl",
+        "startup_timeout",
     ):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
+    for name in ("connect_timeout", "heartbeat_timeout", "backlog", "max_body"):
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
     if config.health_failures < 1 or config.health_successes < 1:
         raise ConfigError("health_failures and health_successes must be at least 1")
     for name in ("prefill_policy", "decode_policy"):

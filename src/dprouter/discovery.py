@@ -97,26 +97,24 @@ async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
     """Raises ``DiscoveryError`` (try again later), ``Contradiction`` (give up),
     or aiohttp / timeout errors (unreachable: try again later)."""
     base = worker.url
-    if worker.dialect in (None, "sglang"):
-        info = await server_info(session, base)
-        if info is not None:
-            return _settle(worker, sglang_found(base, info, await models(session, base)))
-        if worker.dialect == "sglang" and worker.dp_size is None:
-            raise DiscoveryError(f"{base} answers neither /server_info nor /get_server_info")
-    if worker.dialect in (None, "vllm"):
-        labels = await vllm_engines(session, base)
-        if labels:
-            if labels != list(range(labels[0], labels[0] + len(labels))):
-                raise Contradiction(f"{base}/metrics shows non-contiguous engine labels {labels}")
-            return _settle(
-                worker,
-                Discovered("vllm", len(labels), labels[0], False, await models(session, base)),
-            )
+    # both signatures, whatever the configuration says: a worker configured as one kind
+    # that answers as the other is refused (_settle), not retried forever
+    info = await server_info(session, base)
+    if info is not None:
+        return _settle(worker, sglang_found(base, info, await models(session, base)))
+    labels = await vllm_engines(session, base)
+    if labels:
+        if labels != list(range(labels[0], labels[0] + len(labels))):
+            raise Contradiction(f"{base}/metrics shows non-contiguous engine labels {labels}")
+        found = Discovered("vllm", len(labels), labels[0], False, await models(session, base))
+        return _settle(worker, found)
     if worker.dialect is not None and worker.dp_size is not None:
         # the engine says nothing about its ranks: the configuration stands alone
         return _settle(
             worker, Discovered(worker.dialect, None, 0, False, await models(session, base))
         )
+    if worker.dialect == "sglang":
+        raise DiscoveryError(f"{base} answers neither /server_info nor /get_server_info")
     raise DiscoveryError(
         f"{base} answers neither /server_info (SGLang) nor /metrics with vLLM engine labels; "
         "set its dialect and dp_size explicitly"

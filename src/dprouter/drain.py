@@ -5,7 +5,8 @@ ones (a request arriving on a kept-alive connection gets 503 with
 ``Connection: close``), waits until none is left or the grace has run out, then
 cancels what remains with ``GRACE_OVER``: a stream that was cut ends with an
 error event and ``[DONE]`` (see ``relay``), a request still waiting for its
-answer gets 503, and an SGLang engine is told to abort it.
+answer gets 503; either way the upstream connection is closed, so the engine
+stops, and an SGLang engine is also told to abort it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dprouter.admin import Admin
 from dprouter.drain import grace_over
 from dprouter.openapi import describe
 from dprouter.parse import Kind
-from dprouter.relay import error
+from dprouter.relay import STREAMING, error
 from dprouter.targets import Role
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ class Handlers:
                 raise  # the client left
             if task is not None:
                 task.uncancel()
+            begun: web.StreamResponse | None = request.get(STREAMING)
+            if begun is not None:  # its last words are written
+                return begun
             message = "the router stopped: its grace period ran out before the engine answered"
             return _closing(error(503, message, headers=STOPPING))
         finally:

@@ -40,6 +40,7 @@ HOP_BY_HOP = frozenset(
 )
 TARGET_HEADER = "x-dprouter-target"
 CUT = web.ResponseKey("dprouter.cut", bool)  # set on a response whose stream broke off
+STREAMING = web.RequestKey("dprouter.streaming", web.StreamResponse)  # the stream under way
 
 
 class UpstreamBroke(Exception):
@@ -110,8 +111,8 @@ async def relay(
         else:
             resp = web.StreamResponse(status=upstream.status, headers=headers)
             await resp.prepare(request)
-            if not await _stream(resp, upstream, target, series, started):
-                return resp  # cut short (upstream closed below): counted as cut, not answered
+            request[STREAMING] = resp  # begun: whatever happens, this is the answer
+            await _stream(resp, upstream, target, series, started)
         done = True
     finally:
         if done:
@@ -129,9 +130,9 @@ async def _stream(
     target: Target,
     series: TargetSeries,
     started: float,
-) -> bool:
-    """Pass the stream on; False when it was cut before its end (the client still gets a
-    well-formed ending: an error event and ``[DONE]``)."""
+) -> None:
+    """Pass the stream on. An engine that breaks it off, or the end of the router's grace
+    period, still leaves the client a well-formed ending: an error event and ``[DONE]``."""
     loop = asyncio.get_running_loop()
     tail = b"\n\n"  # the last bytes written: an event boundary, or not
     first = True
@@ -150,21 +151,16 @@ async def _stream(
             if timed_out
             else f"upstream {target.label} closed the stream before it finished"
         )
-        resp[CUT] = True
+        resp[CUT] = True  # answered, though badly: the caller counts it against the target
         await _last_words(resp, tail, sse_error(502, message))
-        return True  # answered, though badly: the caller counts it against the target
+        return
     except asyncio.CancelledError as exc:
-        if not grace_over(exc):
-            raise  # the client left: nobody to tell
-        current = asyncio.current_task()
-        if current is not None:
-            current.uncancel()
-        series.failed("shutdown")
-        message = "the router stopped: its grace period ran out before this stream ended"
-        await _last_words(resp, tail, sse_error(503, message))
-        return False
+        if grace_over(exc):  # else the client left: nobody to tell
+            series.failed("shutdown")
+            message = "the router stopped: its grace period ran out before this stream ended"
+            await _last_words(resp, tail, sse_error(503, message))
+        raise  # on, so that the engine is told (connection closed, SGLang aborted)
     await resp.write_eof()
-    return True
 
 
 async def _last_words(resp: web.StreamResponse, tail: bytes, event: bytes) -> None:

@@ -68,7 +68,8 @@ def make_config(
     "workers",
     multiple=True,
     metavar="URL[,key=value...]",
-    help="An engine endpoint; keys: id, dialect, dp_size, role, model, rank_offset.",
+    help="An engine endpoint; keys: id, dialect, dp_size, role, model, rank_offset, "
+    "bootstrap_port, tp_size.",
 )
 @click.option(
     "--config",
@@ -296,7 +297,8 @@ def make_config(
     type=click.FloatRange(min=0),
     default=10.0,
     show_default=True,
-    help="Seconds to wait for discovery before serving (workers still discovering join later).",
+    help="Seconds to wait for discovery before refusing misconfigured workers and logging the "
+    "targets; the router listens meanwhile (503 until a worker is ready).",
 )
 @click.option(
     "--admin-token",

@@ -86,7 +86,8 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
     "--dispatch",
     type=click.Choice(list(dict.fromkeys(SGLANG_DISPATCH + LEGACY_SGLANG_DISPATCH))),
     default=None,
-    help="SGLang internal balancer (default round_robin; shortest_queue with --legacy-sglang).",
+    help="SGLang internal balancer (default round_robin, a P/D prefill follow_bootstrap_room; "
+    "shortest_queue only with --legacy-sglang, total_* only without).",
 )
 @click.option(
     "--legacy-sglang",

@@ -175,6 +175,11 @@ class EngineConfig:
 
     @property
     def dispatch_mode(self) -> Dispatch:
+        """As SGLang 0.5.23 resolves ``--load-balance-method auto``: a P/D prefill engine
+        follows the bootstrap room, every other one takes turns."""
         if self.dispatch is not None:
             return self.dispatch
-        return "vllm" if self.persona == "vllm" else "round_robin"
+        if self.persona == "vllm":
+            return "vllm"
+        prefill = self.pd is not None and self.pd.role == "prefill"
+        return "follow_bootstrap_room" if prefill else "round_robin"

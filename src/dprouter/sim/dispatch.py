@@ -105,7 +105,7 @@ class SglangBudget:
 
 
 class FollowBootstrapRoom:
-    """SGLang ``follow_bootstrap_room`` (P/D default): rank = room % dp_size."""
+    """SGLang ``follow_bootstrap_room`` (a P/D prefill's default): rank = room % dp_size."""
 
     def pick(self, ranks: Sequence[Rank], req: SimRequest, now: float) -> int:
         if req.bootstrap_room is None:
