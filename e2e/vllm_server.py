@@ -18,22 +18,18 @@ and its own block of internal ports (VLLM_PORT), all on 127.0.0.1 and in
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Self
 
-HOST = "127.0.0.1"
+from e2e.engine_process import (
+    HOST,
+    EngineProcess,
+    PortRange,
+    allowed_cpus,
+    core_per_rank,
+    prepared_home,
+)
+
 PORT_RANGE = (20000, 30000)  # inclusive lower, exclusive upper
 INTERNAL_PORT_BLOCK = 32  # ports vLLM may take from VLLM_PORT upward
 MAX_MODEL_LEN = 1024
@@ -45,8 +41,7 @@ PREPARE_HINT = "run bash e2e/prepare.sh"
 
 def home() -> Path:
     """Root of the prepared environment: $DPROUTER_VLLM_HOME or ~/.cache/dprouter-vllm."""
-    env = os.environ.get("DPROUTER_VLLM_HOME")
-    return Path(env) if env else Path.home() / ".cache" / "dprouter-vllm"
+    return prepared_home("DPROUTER_VLLM_HOME", "dprouter-vllm")
 
 
 def venv_python() -> Path:
@@ -65,47 +60,20 @@ def available() -> str | None:
         return f"vLLM CPU environment not prepared ({home()}): {PREPARE_HINT}"
     if not (model_dir() / ".dprouter-built").is_file():
         return f"vLLM CPU tiny model not built ({model_dir()}): {PREPARE_HINT}"
-    if len(_allowed_cpus()) < 1:
+    if len(allowed_cpus()) < 1:
         return "no CPU available to bind vLLM to"
     return None
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
+_ports = PortRange(*PORT_RANGE)
 
 
 def free_port(block: int = 1, avoid: range | None = None) -> int:
-    """A free port in 20000-30000 (or the first of `block` consecutive free ports).
-
-    Tries binds from a random starting point, so that two callers that have not
-    yet started their servers are unlikely to get the same answer.
-    """
-    lo, hi = PORT_RANGE
-    span = hi - lo - block
-    start = random.randrange(span)
-    for i in range(span):
-        port = lo + (start + i) % span
-        ports = range(port, port + block)
-        if avoid is not None and (ports.start < avoid.stop and avoid.start < ports.stop):
-            continue
-        if all(_port_is_free(p) for p in ports):
-            return port
-    raise RuntimeError(f"no free port in {lo}-{hi}")
+    """A free port in 20000-30000 (or the first of `block` consecutive free ports)."""
+    return _ports.free_port(block, avoid)
 
 
-def _allowed_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
-
-
-class VllmServer:
+class VllmServer(EngineProcess):
     """One `vllm serve` of the tiny model on 127.0.0.1:port (dp_size 1 or 2 engines).
 
     cpus: VLLM_CPU_OMP_THREADS_BIND value. Default: dp_size 2 -> "0|1" (one core per
@@ -113,6 +81,9 @@ class VllmServer:
     single-engine servers started one after the other use different cores.
     """
 
+    engine = "vLLM"
+    tmp_prefix = "vllm"
+    health_timeout = 2
     _next_cpu = 0
 
     def __init__(
@@ -124,31 +95,35 @@ class VllmServer:
         cpus: str | None = None,
         extra_args: tuple[str, ...] = (),
     ) -> None:
-        self.port = port
+        super().__init__(port)
         self.dp_size = dp_size
         self.name = name
         self.cpus = cpus if cpus is not None else self._default_cpus(dp_size)
         self.extra_args = extra_args
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path: Path | None = None
-        self.ready_seconds: float | None = None
-        self._log_file: IO[bytes] | None = None
-        self._tmp: Path | None = None
-        self._started_at = 0.0
 
     @classmethod
     def _default_cpus(cls, dp_size: int) -> str:
-        cpus = _allowed_cpus()
         if dp_size == 1:
+            cpus = allowed_cpus()
             cpu = cpus[cls._next_cpu % len(cpus)]
             cls._next_cpu += 1
             return str(cpu)
-        # One core per rank; when ranks outnumber cores, share them.
-        return "|".join(str(cpus[r % len(cpus)]) for r in range(dp_size))
+        return core_per_rank(dp_size)
 
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+    def _home(self) -> Path:
+        return home()
+
+    def _unavailable(self) -> str | None:
+        return available()
+
+    def _log_name(self) -> str:
+        return f"vllm-{self.name}-dp{self.dp_size}"
+
+    def _log_header(self, env: dict[str, str]) -> str:
+        return f"cpus={self.cpus} VLLM_PORT={env['VLLM_PORT']}"
+
+    def _repr_fields(self) -> dict[str, object]:
+        return {"port": self.port, "dp": self.dp_size, "cpus": self.cpus}
 
     def command(self) -> list[str]:
         cmd = [
@@ -200,138 +175,6 @@ class VllmServer:
         env.pop("PYTHONPATH", None)  # never leak the test venv into vLLM's
         return env
 
-    def start(self) -> Self:
-        if self.proc is not None:
-            raise RuntimeError("server already started")
-        reason = available()
-        if reason is not None:
-            raise RuntimeError(reason)
-        logs = home() / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        (home() / "cache").mkdir(parents=True, exist_ok=True)
-        # Short path: ZMQ ipc:// socket paths must stay under ~107 bytes.
-        self._tmp = Path(tempfile.mkdtemp(prefix=f"vllm{self.port}-"))
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.log_path = logs / f"vllm-{self.name}-dp{self.dp_size}-{self.port}-{stamp}.log"
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
-        env = self.environment(self._tmp)
-        self._log_file.write(
-            f"# cpus={self.cpus} VLLM_PORT={env['VLLM_PORT']} cmd={self.command()}\n".encode()
-        )
-        self._log_file.flush()
-        self._started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(self._tmp),
-            start_new_session=True,  # own process group: stop() kills all of it
-        )
-        return self
-
-    def log_tail(self, lines: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def wait_ready(self, timeout: float = 180) -> float:
-        """Poll GET /health until 200; return seconds since start().
-
-        Raises RuntimeError with the log tail if the server exits or times out.
-        """
-        if self.proc is None:
-            raise RuntimeError("server not started")
-        deadline = time.monotonic() + timeout
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"vLLM server on port {self.port} exited with {code} before ready; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            if self._healthy():
-                self.ready_seconds = time.monotonic() - self._started_at
-                return self.ready_seconds
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"vLLM server on port {self.port} not ready after {timeout:.0f} s; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        assert self.proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
-
-    def _group_alive(self) -> bool:
-        assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def kill(self) -> None:
-        """Die at once, as a crashed machine would: SIGKILL the whole process group."""
-        if self.proc is not None:
-            self._signal_group(signal.SIGKILL)
-        self.stop(timeout=5)
-
-    def stop(self, timeout: float = 20) -> None:
-        """SIGTERM the process group, wait, then SIGKILL whatever is left."""
-        if self.proc is not None:
-            if self.proc.poll() is None or self._group_alive():
-                self._signal_group(signal.SIGTERM)
-                deadline = time.monotonic() + timeout
-                while time.monotonic() < deadline:
-                    self.proc.poll()
-                    if not self._group_alive():
-                        break
-                    time.sleep(0.1)
-                else:
-                    self._signal_group(signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=10)
-                # Children may linger briefly after SIGKILL; give them a moment.
-                deadline = time.monotonic() + 5
-                while self._group_alive() and time.monotonic() < deadline:
-                    time.sleep(0.1)
-            self.proc = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
-
-    def __enter__(self) -> Self:
-        if self.proc is None:
-            self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        pid = self.proc.pid if self.proc else None
-        return f"VllmServer(port={self.port}, dp={self.dp_size}, cpus={self.cpus!r}, pid={pid})"
-
 
 def main(argv: list[str] | None = None) -> int:
     """Run one server by hand until Ctrl-C: python3 -m e2e.vllm_server --dp 2 --port 28000."""
@@ -347,18 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(reason)
         return 1
-    server = VllmServer(args.port or free_port(), args.dp, args.name, cpus=args.cpus)
-    with server:
-        print(f"starting {server!r}, log {server.log_path}", flush=True)
-        try:
-            print(
-                f"ready in {server.wait_ready():.1f} s at {server.url} (Ctrl-C stops)", flush=True
-            )
-            while server.proc is not None and server.proc.poll() is None:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-    return 0
+    return VllmServer(args.port or free_port(), args.dp, args.name, cpus=args.cpus).run_by_hand()
 
 
 if __name__ == "__main__":

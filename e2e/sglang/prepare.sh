@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Prepare the "real SGLang on CPU" environment for the end-to-end tests.
+#
+#   bash e2e/sglang/prepare.sh
+#
+# Creates, under ${DPROUTER_SGLANG_HOME:-$HOME/.cache/dprouter-sglang}:
+#   venv/         a separate Python 3.11 virtual environment with sglang 0.5.23,
+#                 installed from the exact lock e2e/sglang/lock.txt (--no-deps: sglang's
+#                 CUDA dependencies never come in; torch 2.13.0+cpu comes from the
+#                 machine's local wheel folder via PIP_FIND_LINKS / pip.conf), then
+#                 fixed in place by e2e/sglang/patch_sglang.py
+#   model-llama/  tiny random LlamaForCausalLM + WordLevel tokenizer  } e2e/sglang/
+#   model-qwen3/  tiny random Qwen3ForCausalLM (for attention DP)     } make_models.py
+#   cache/        every cache the install, the build and the servers use
+#   logs/         server logs (written by e2e/sglang/server.py)
+# The sgl_kernel stand-in is not copied: e2e/sglang/server.py puts
+# e2e/sglang/ on the server's PYTHONPATH.
+#
+# Idempotent: each step leaves a marker holding a hash of its inputs and is
+# skipped when the marker matches.  Non-interactive; uses pip only.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+SGL_HOME="${DPROUTER_SGLANG_HOME:-$HOME/.cache/dprouter-sglang}"
+VENV="$SGL_HOME/venv"
+CACHE="$SGL_HOME/cache"
+LOCK="$SCRIPT_DIR/lock.txt"
+PATCH="$SCRIPT_DIR/patch_sglang.py"
+MAKE_MODELS="$SCRIPT_DIR/make_models.py"
+PYTHON="${PYTHON:-python3}"
+MODELS=(llama qwen3)
+
+log() { printf '[sglang prepare %(%H:%M:%S)T] %s\n' -1 "$*"; }
+now() { date +%s.%N; }
+took() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+hash_of() { cat "$@" | sha256sum | cut -d' ' -f1; }
+
+"$PYTHON" - <<'EOF' || { echo "prepare.sh: need Python 3.11 as \$PYTHON (default python3)" >&2; exit 1; }
+import sys
+sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)
+EOF
+
+mkdir -p "$SGL_HOME" "$CACHE" "$SGL_HOME/logs"
+
+# Keep every cache out of the user's real ones.
+export HF_HOME="$CACHE/hf"
+export XDG_CACHE_HOME="$CACHE/xdg"
+export TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
+export TRITON_CACHE_DIR="$CACHE/triton"
+export PIP_CACHE_DIR="$CACHE/pip"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
+export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+unset PYTHONPATH
+TMP_WORK="$(mktemp -d "$CACHE/tmp.XXXXXX")"
+export TMPDIR="$TMP_WORK"
+trap 'rm -rf "$TMP_WORK"' EXIT
+
+total_start="$(now)"
+
+# Step 1: virtual environment + locked install.
+venv_key="$(hash_of "$LOCK")"
+venv_marker="$VENV/.dprouter-installed"
+if [[ -f "$venv_marker" && "$(cat "$venv_marker")" == "$venv_key" ]]; then
+    log "venv: up to date ($VENV), skipped"
+else
+    t0="$(now)"
+    log "venv: creating $VENV"
+    rm -rf "$VENV"
+    "$PYTHON" -m venv "$VENV"
+    log "venv: installing $(grep -c '^[^#]' "$LOCK") locked packages (pip --no-deps)"
+    # (The filter drops pip's per-package notes about missing local index folders.)
+    "$VENV/bin/python" -m pip install --quiet --no-deps --progress-bar off -r "$LOCK" 2>&1 \
+        | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    "$VENV/bin/python" -c 'import torch; assert torch.__version__.endswith("+cpu"), torch.__version__'
+    if "$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
+        | grep -iE '^(nvidia-|cuda-|flashinfer|sglang-kernel|sgl-kernel|sgl-deep-gemm)'; then
+        echo "prepare.sh: CUDA packages got into $VENV (above); the lock must not list them" >&2
+        exit 1
+    fi
+    echo "$venv_key" >"$venv_marker"
+    log "venv: done in $(took "$t0") s ($(du -sh "$VENV" | cut -f1))"
+fi
+
+# Step 2: the fixes to the installed sglang / torchvision (fails loudly on a mismatch).
+patch_key="$(hash_of "$PATCH" "$venv_marker")"
+patch_marker="$VENV/.dprouter-patched"
+if [[ -f "$patch_marker" && "$(cat "$patch_marker")" == "$patch_key" ]]; then
+    log "fixes: up to date, skipped"
+else
+    t0="$(now)"
+    rm -f "$patch_marker"
+    log "fixes: applying $PATCH"
+    "$VENV/bin/python" "$PATCH"
+    "$VENV/bin/python" -W ignore -c 'import torchvision.transforms' \
+        || { echo "prepare.sh: torchvision still does not import" >&2; exit 1; }
+    echo "$patch_key" >"$patch_marker"
+    log "fixes: done in $(took "$t0") s"
+fi
+
+# Step 3: the two tiny models (built together: they share one tokenizer).
+model_key="$(hash_of "$MAKE_MODELS" "$venv_marker")"
+models_ok=1
+for m in "${MODELS[@]}"; do
+    marker="$SGL_HOME/model-$m/.dprouter-built"
+    [[ -f "$marker" && "$(cat "$marker")" == "$model_key" ]] || models_ok=0
+done
+if ((models_ok)); then
+    log "models: up to date (${MODELS[*]/#/model-} in $SGL_HOME), skipped"
+else
+    t0="$(now)"
+    log "models: building ${MODELS[*]}"
+    build="$SGL_HOME/models.tmp"
+    rm -rf "$build"
+    "$VENV/bin/python" "$MAKE_MODELS" "$build"
+    for m in "${MODELS[@]}"; do
+        rm -rf "$SGL_HOME/model-$m"
+        mv "$build/model-$m" "$SGL_HOME/model-$m"
+        echo "$model_key" >"$SGL_HOME/model-$m/.dprouter-built"
+    done
+    rm -rf "$build"
+    log "models: done in $(took "$t0") s"
+fi
+
+log "ready in $(took "$total_start") s: $SGL_HOME ($(du -sh "$SGL_HOME" | cut -f1))"
