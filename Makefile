@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint slow e2e clean
+.PHONY: demo test lint slow e2e e2e-vllm e2e-sglang clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,16 +16,22 @@ demo: $(VENV)/.installed
 	$(BIN)/dprouter demo
 
 test: $(VENV)/.installed
-	$(BIN)/pytest -m "not slow and not realvllm"
+	$(BIN)/pytest -m "not slow and not realvllm and not realsglang"
 
 slow: $(VENV)/.installed
 	$(BIN)/pytest -m slow
 
-# dprouter against a real vLLM (CPU build, DP=2, tiny model): prepares its own
-# environment first (a separate venv, about 2-3 minutes the first time)
-e2e: $(VENV)/.installed
+# dprouter against real engines on the CPU (tiny local models): each prepares its own
+# environment first (a separate venv, about 3 minutes each the first time)
+e2e: e2e-vllm e2e-sglang
+
+e2e-vllm: $(VENV)/.installed
 	bash e2e/prepare.sh
 	$(BIN)/pytest -m realvllm
+
+e2e-sglang: $(VENV)/.installed
+	bash e2e/sglang/prepare.sh
+	$(BIN)/pytest -m realsglang
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

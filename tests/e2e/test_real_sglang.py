@@ -1,0 +1,232 @@
+"""dprouter in front of a real SGLang 0.5.23 (CPU, tiny models): what the engine itself says.
+
+Which rank served a request is the engine's own answer: ``meta_info.dp_rank`` on
+``/generate``; on the OpenAI endpoints, which rank's ``total_prefill_uncached_tokens``
+(``/v1/loads``) rose while the request ran alone (each prompt is new to the engine).
+The routers here check no ``/health``: SGLang answers it by running a generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from e2e.sglang.server import SglangServer
+
+from dprouter.config import RouterConfig, WorkerSpec
+from tests.conftest import StartRouter, until
+from tests.e2e.conftest import SUMMARY
+
+# an SGLang server takes about a minute to start on two cores
+pytestmark = [pytest.mark.realsglang, pytest.mark.timeout(600)]
+LAYOUTS = ["sglang_dp2", "sglang_attn2"]  # --dp-size 2 (Llama); --tp-size 2 --attn-dp-size 2
+NONCE = itertools.count()
+
+
+def config(server: SglangServer, **options: Any) -> RouterConfig:
+    return RouterConfig(workers=(WorkerSpec(server.url),), health_interval=0, **options)
+
+
+def prompt() -> str:
+    """Words the engine has not seen in this order: its prefix cache cannot hide them."""
+    n = next(NONCE)
+    return f"request {n} asks the router {n % 7} times about rank {n % 3} and the engine"
+
+
+def generate_body(**extra: Any) -> dict[str, Any]:
+    params = {"max_new_tokens": 2, "ignore_eos": True}
+    return {"text": prompt(), "sampling_params": params, **extra}
+
+
+async def loads(http: aiohttp.ClientSession, server: SglangServer) -> dict[int, dict[str, Any]]:
+    async with http.get(server.url + "/v1/loads") as r:
+        return {x["dp_rank"]: x for x in (await r.json())["loads"]}
+
+
+async def served_rank(
+    http: aiohttp.ClientSession,
+    server: SglangServer,
+    send: Callable[[], Awaitable[tuple[str, dict[str, Any]]]],
+) -> tuple[str, int]:
+    """The router's target for the request ``send`` makes, and the rank the engine says ran
+    its prefill (the one whose uncached prefill tokens rose)."""
+    field = "total_prefill_uncached_tokens"
+    before = {r: x[field] for r, x in (await loads(http, server)).items()}
+    target, _ = await send()
+    rose: list[int] = []
+    for _ in range(40):  # the engine publishes its counts about every 0.1 s
+        after = {r: x[field] for r, x in (await loads(http, server)).items()}
+        rose = [r for r in after if after[r] > before[r]]
+        if rose:
+            break
+        await asyncio.sleep(0.05)
+    assert len(rose) == 1, (before, after)
+    return target, rose[0]
+
+
+def post(
+    http: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> Callable[[], Awaitable[tuple[str, dict[str, Any]]]]:
+    async def send() -> tuple[str, dict[str, Any]]:
+        async with http.post(url + path, json=body, headers=headers or {}) as r:
+            assert r.status == 200, await r.text()
+            return r.headers["x-dprouter-target"], await r.json()
+
+    return send
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_discovery_finds_two_ranks_and_round_robin_gives_each_its_share(
+    request: pytest.FixtureRequest,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    layout: str,
+) -> None:
+    server: SglangServer = request.getfixturevalue(layout)
+    router = await start_router(config(server))  # no dp option: what /server_info says
+    (worker,) = router.registry.workers.values()
+    attention = layout == "sglang_attn2"
+    assert (worker.dialect, worker.ranks, worker.dp_attention) == ("sglang", 2, attention)
+    k = 4
+    pairs = []
+    for _ in range(2 * k):
+        target, answer = await post(http, router.url, "/generate", generate_body())()
+        pairs.append((target, answer["meta_info"]["dp_rank"]))
+    engine = Counter(rank for _, rank in pairs)
+    SUMMARY.append(f"{layout}: round_robin, {2 * k} /generate -> engine dp_rank {dict(engine)}")
+    assert engine == {0: k, 1: k}
+    assert all(target == f"w0/{rank}" for target, rank in pairs)  # the router's choice, run
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_the_routers_rank_reaches_the_engine_on_every_endpoint(
+    request: pytest.FixtureRequest,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    layout: str,
+) -> None:
+    """``routed_dp_rank`` in the body, on ``/v1/completions``, ``/v1/chat/completions`` and
+    ``/generate``; the client's own rank (body field and header, both of which the engine
+    honours on its OpenAI endpoints) never reaches it."""
+    server: SglangServer = request.getfixturevalue(layout)
+    router = await start_router(config(server))
+    own = {"routed_dp_rank": 1, "data_parallel_rank": 1}
+    header = {"X-Data-Parallel-Rank": "1"}
+    bodies: dict[str, Callable[[], dict[str, Any]]] = {
+        "/v1/completions": lambda: {"model": "tiny", "prompt": prompt(), "max_tokens": 2, **own},
+        "/v1/chat/completions": lambda: {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": prompt()}],
+            "max_tokens": 2,
+            **own,
+        },
+        "/generate": lambda: generate_body(**own),
+    }
+    seen: dict[str, list[tuple[str, int]]] = {}
+    for path, body in bodies.items():
+        seen[path] = [
+            await served_rank(http, server, post(http, router.url, path, body(), header))
+            for _ in range(2)
+        ]
+    SUMMARY.append(f"{layout}: router target -> engine rank, client asked for 1: {seen}")
+    for path, pairs in seen.items():
+        assert [t for t, _ in pairs] == ["w0/0", "w0/1"], path  # round robin, not the client
+        assert [f"w0/{r}" for _, r in pairs] == ["w0/0", "w0/1"], path  # and the engine agrees
+
+
+async def test_a_session_sticks_to_one_attention_dp_rank(
+    sglang_attn2: SglangServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await start_router(config(sglang_attn2, sessions=True))
+    ranks = []
+    for _ in range(6):
+        send = post(http, router.url, "/generate", generate_body(), {"X-SMG-Routing-Key": "a"})
+        ranks.append((await send())[1]["meta_info"]["dp_rank"])
+    SUMMARY.append(f"sglang_attn2: session 'a', 6 /generate -> engine dp_rank {ranks}")
+    assert len(set(ranks)) == 1
+
+
+async def test_a_client_that_leaves_a_long_stream_frees_its_rank(
+    sglang_dp2: SglangServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The connection closes (SGLang aborts a request whose client left) and the router also
+    posts ``/abort_request`` with the request's rid; the rank is free either way."""
+    router = await start_router(config(sglang_dp2))
+    body = {"model": "tiny", "prompt": prompt(), "max_tokens": 1500, "ignore_eos": True}
+    resp = await http.post(router.url + "/v1/completions", json={**body, "stream": True})
+    assert resp.status == 200
+    await resp.content.readuntil(b"\n\n")
+    rank = int(resp.headers["x-dprouter-target"].split("/")[1])
+
+    async def running() -> int:
+        return int((await loads(http, sglang_dp2))[rank]["num_running_reqs"])
+
+    for _ in range(40):  # the engine's count can lag the first events
+        if await running() == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert await running() == 1
+    resp.close()  # the client leaves mid-stream
+    freed = False
+    for _ in range(100):
+        if await running() == 0:
+            freed = True
+            break
+        await asyncio.sleep(0.05)
+    SUMMARY.append(f"sglang_dp2: client left a 1500-token stream on rank {rank}: freed {freed}")
+    assert freed
+    assert await until(lambda: all(t.outstanding == 0 for t in router.registry.targets()))
+
+
+async def test_the_engine_killed_mid_run_then_restarted(
+    sglang_dp2: SglangServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Last in this file: it kills the shared DP=2 server (and brings it back)."""
+    router = await start_router(config(sglang_dp2))
+    outcomes: Counter[str] = Counter()
+
+    async def one(max_tokens: int) -> None:
+        body = generate_body()
+        body["sampling_params"]["max_new_tokens"] = max_tokens
+        try:
+            async with http.post(
+                router.url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=60)
+            ) as r:
+                await r.read()
+                outcomes[f"http_{r.status}"] += 1
+        except aiohttp.ClientError as exc:
+            outcomes[type(exc).__name__] += 1
+
+    load = [asyncio.create_task(one(400)) for _ in range(6)]
+    assert await until(
+        lambda: sum(t.outstanding for t in router.registry.targets()) == 6, seconds=10
+    )
+    await asyncio.to_thread(sglang_dp2.kill)
+    await asyncio.wait_for(asyncio.gather(*load), 60)  # every client answered: none hangs
+    await asyncio.gather(*(one(2) for _ in range(4)))  # while the engine is down
+    async with http.get(router.url + "/health") as r:
+        assert r.status == 200
+    assert not router.registry.snapshot.pool()  # out until it answers again
+    await asyncio.to_thread(sglang_dp2.start)
+    await asyncio.to_thread(sglang_dp2.wait_ready)
+    assert await router.settled(60)
+    ranks: Counter[int] = Counter()
+    for _ in range(4):
+        _, answer = await post(http, router.url, "/generate", generate_body())()
+        ranks[answer["meta_info"]["dp_rank"]] += 1
+    SUMMARY.append(
+        f"sglang_dp2 killed with 6 in flight: client outcomes {dict(outcomes)}; "
+        f"after restart, engine dp_rank {dict(ranks)}"
+    )
+    assert set(outcomes) <= {"http_502", "http_503"}  # a clear error, each of them
+    assert sum(outcomes.values()) == 10
+    assert ranks == {0: 2, 1: 2}  # traffic on both ranks again
