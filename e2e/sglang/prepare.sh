@@ -23,63 +23,28 @@ set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SGL_HOME="${DPROUTER_SGLANG_HOME:-$HOME/.cache/dprouter-sglang}"
 VENV="$SGL_HOME/venv"
-CACHE="$SGL_HOME/cache"
 LOCK="$SCRIPT_DIR/lock.txt"
 PATCH="$SCRIPT_DIR/patch_sglang.py"
 MAKE_MODELS="$SCRIPT_DIR/make_models.py"
-PYTHON="${PYTHON:-python3}"
 MODELS=(llama qwen3)
+PREPARE_NAME=sglang
+# shellcheck source=e2e/prepare_lib.sh
+source "$SCRIPT_DIR/../prepare_lib.sh"
 
-log() { printf '[sglang prepare %(%H:%M:%S)T] %s\n' -1 "$*"; }
-now() { date +%s.%N; }
-took() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-hash_of() { cat "$@" | sha256sum | cut -d' ' -f1; }
-
-"$PYTHON" - <<'EOF' || { echo "prepare.sh: need Python 3.11 as \$PYTHON (default python3)" >&2; exit 1; }
-import sys
-sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)
-EOF
-
-mkdir -p "$SGL_HOME" "$CACHE" "$SGL_HOME/logs"
-
-# Keep every cache out of the user's real ones.
-export HF_HOME="$CACHE/hf"
-export XDG_CACHE_HOME="$CACHE/xdg"
-export TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
+begin_home "$SGL_HOME"
 export TRITON_CACHE_DIR="$CACHE/triton"
-export PIP_CACHE_DIR="$CACHE/pip"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
-export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-unset PYTHONPATH
-TMP_WORK="$(mktemp -d "$CACHE/tmp.XXXXXX")"
-export TMPDIR="$TMP_WORK"
-trap 'rm -rf "$TMP_WORK"' EXIT
 
-total_start="$(now)"
-
-# Step 1: virtual environment + locked install.
-venv_key="$(hash_of "$LOCK")"
-venv_marker="$VENV/.dprouter-installed"
-if [[ -f "$venv_marker" && "$(cat "$venv_marker")" == "$venv_key" ]]; then
-    log "venv: up to date ($VENV), skipped"
-else
-    t0="$(now)"
-    log "venv: creating $VENV"
-    rm -rf "$VENV"
-    "$PYTHON" -m venv "$VENV"
-    log "venv: installing $(grep -c '^[^#]' "$LOCK") locked packages (pip --no-deps)"
-    # (The filter drops pip's per-package notes about missing local index folders.)
-    "$VENV/bin/python" -m pip install --quiet --no-deps --progress-bar off -r "$LOCK" 2>&1 \
-        | { grep -v "is ignored: it is neither a file nor a directory" || true; }
-    "$VENV/bin/python" -c 'import torch; assert torch.__version__.endswith("+cpu"), torch.__version__'
-    if "$VENV/bin/python" -m pip list --format=freeze 2>/dev/null \
+# sglang's own metadata asks for CUDA packages; --no-deps keeps them out, and so must the lock
+no_cuda_packages() {
+    if "$1" -m pip list --format=freeze 2>/dev/null \
         | grep -iE '^(nvidia-|cuda-|flashinfer|sglang-kernel|sgl-kernel|sgl-deep-gemm)'; then
         echo "prepare.sh: CUDA packages got into $VENV (above); the lock must not list them" >&2
         exit 1
     fi
-    echo "$venv_key" >"$venv_marker"
-    log "venv: done in $(took "$t0") s ($(du -sh "$VENV" | cut -f1))"
-fi
+}
+
+# Step 1: virtual environment + locked install.
+locked_venv "$VENV" "$LOCK" no_cuda_packages
 
 # Step 2: the fixes to the installed sglang / torchvision (fails loudly on a mismatch).
 patch_key="$(hash_of "$PATCH" "$venv_marker")"
