@@ -72,10 +72,9 @@ def server_args(config: EngineConfig, bootstrap_port: int | None) -> dict[str, A
 def server_info(server: SimServer) -> dict[str, Any]:
     c = server.config
     args = server_args(c, server.pd.bootstrap_port if server.pd else None)
-    states = [
+    states = [  # one per rank, in rank order (the real engine's carry no dp_rank)
         {
             **args,
-            "dp_rank": r.index,
             "last_gen_throughput": 0.0,
             "memory_usage": {"token_capacity": r.limits.kv_tokens},
             "effective_max_running_requests_per_dp": r.limits.max_running,
