@@ -9,10 +9,11 @@ covers every rank of every worker evenly, whatever each worker's dp size.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dprouter.board import Board
 from dprouter.targets import DialectName, Role, Target, Worker
 
 
@@ -92,10 +93,12 @@ class Registry:
     """Workers and their targets. ``dp_aware`` False gives each worker one
     target with no rank: the engine's own balancer then places the request."""
 
-    def __init__(self, dp_aware: bool = True) -> None:
+    def __init__(self, dp_aware: bool = True, board: Board | None = None) -> None:
         self.dp_aware = dp_aware
+        self.board = board or Board()  # load per slot; the registry hands the slots out
         self.workers: dict[str, Worker] = {}
         self.snapshot = Snapshot(0, ())
+        self.listeners: list[Callable[[], None]] = []  # told of every rebuild
         self._version = 0
 
     def add(self, worker: Worker) -> Worker:
@@ -104,12 +107,16 @@ class Registry:
         clash = next((w for w in self.workers.values() if w.url == worker.url), None)
         if clash is not None:
             raise Duplicate(f"worker {worker.url} already registered as {clash.id!r}")
+        worker.board, worker.slot = self.board, self.board.take()
         self.workers[worker.id] = worker
         self.rebuild()
         return worker
 
     def remove(self, worker_id: str) -> Worker:
         worker = self.workers.pop(worker_id)
+        for t in worker.targets:
+            self.board.give(t.slot)
+        self.board.give(worker.slot)
         worker.targets = []  # every rank of the worker leaves with it
         self.rebuild()
         return worker
@@ -127,7 +134,11 @@ class Registry:
         if self.dp_aware and worker.ranks > 1:
             wanted = list(range(worker.ranks))
         have = {t.rank: t for t in worker.targets}  # keep live targets and their counts
-        worker.targets = [have.get(r) or Target(worker, r) for r in wanted]
+        worker.targets = [
+            have.pop(r) if r in have else Target(worker, r, self.board) for r in wanted
+        ]
+        for gone in have.values():
+            self.board.give(gone.slot)
         worker.state = "ready"
         worker.error = None
         self.rebuild()
@@ -146,6 +157,8 @@ class Registry:
         self._version += 1
         ready = tuple(w for w in self.workers.values() if w.ready and w.targets)
         self.snapshot = Snapshot(self._version, ready)
+        for listener in self.listeners:
+            listener()
 
     def targets(self) -> list[Target]:
         return [t for w in self.workers.values() for t in w.targets]

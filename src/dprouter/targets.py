@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from yarl import URL
 
+from dprouter.board import Board
+
 Role = Literal["regular", "prefill", "decode"]
 DialectName = Literal["vllm", "sglang"]
 ROLES: tuple[Role, ...] = ("regular", "prefill", "decode")
@@ -57,10 +59,19 @@ class Worker:
     cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # as /v1/models wrote them
     state: Literal["discovering", "ready", "error"] = "discovering"
     error: str | None = None
-    # load of the whole worker, kept with its targets'
-    outstanding: int = 0
-    outstanding_tokens: int = 0
     targets: list[Target] = field(default_factory=list)
+    # where the whole worker's load is counted (given by the registry that holds it)
+    board: Board | None = field(default=None, repr=False)
+    slot: int = -1
+
+    @property
+    def outstanding(self) -> int:
+        """Requests in flight on any rank of the worker, in the whole router."""
+        return 0 if self.board is None else self.board.inflight_of(self.slot)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return 0 if self.board is None else self.board.tokens_of(self.slot)
 
     @property
     def ready(self) -> bool:
@@ -72,50 +83,59 @@ class Worker:
 
 
 class Target:
-    """One routable unit. Equal by identity; ``label`` names it in logs and metrics."""
+    """One routable unit. Equal by identity; ``label`` names it in logs and metrics.
 
-    __slots__ = (
-        "_outstanding",
-        "_reported",
-        "label",
-        "load",
-        "outstanding_tokens",
-        "rank",
-        "tripped",
-        "worker",
-    )
+    Its load lives on the board, in its slot: the whole router's count, whichever
+    serving process sent the requests."""
 
-    def __init__(self, worker: Worker, rank: int | None) -> None:
+    __slots__ = ("board", "label", "rank", "slot", "tripped", "worker")
+
+    def __init__(
+        self, worker: Worker, rank: int | None, board: Board | None = None, slot: int = -1
+    ) -> None:
+        if board is None:  # a target on its own (tests): a board of its own
+            board = worker.board
+            if board is None:
+                board = worker.board = Board(slots=64)
+                worker.slot = board.take()
+        self.board = board
+        self.slot = board.take() if slot < 0 else slot
         self.worker = worker
         self.rank = rank
         self.label = worker.id if rank is None else f"{worker.id}/{rank}"
-        self._outstanding = 0
-        self._reported = 0
-        # the router's own count, or the engine's when it knows of more (other clients);
-        # kept up to date on every change so that policies compare it at C speed
-        self.load = 0
-        self.outstanding_tokens = 0  # prompt + expected output tokens of those in flight
         self.tripped = False  # its circuit breaker is open: out of the snapshot
 
     @property
     def outstanding(self) -> int:
         """Requests the router has in flight here."""
-        return self._outstanding
+        return self.board.inflight_of(self.slot)
 
     @outstanding.setter
     def outstanding(self, value: int) -> None:
-        self._outstanding = value
-        self.load = max(value, self._reported)
+        self.board.set_inflight(self.slot, value)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        """Prompt + expected output tokens of the requests in flight here."""
+        return self.board.tokens_of(self.slot)
+
+    @outstanding_tokens.setter
+    def outstanding_tokens(self, value: int) -> None:
+        self.board.set_tokens(self.slot, value)
 
     @property
     def reported(self) -> int:
         """Running + waiting the engine last reported for this rank."""
-        return self._reported
+        return self.board.reported_of(self.slot)
 
     @reported.setter
     def reported(self, value: int) -> None:
-        self._reported = value
-        self.load = max(self._outstanding, value)
+        self.board.report(self.slot, value)
+
+    @property
+    def load(self) -> int:
+        """The router's own count, or the engine's when it knows of more (other clients)."""
+        return max(self.board.inflight_of(self.slot), self.board.reported_of(self.slot))
 
     @property
     def rank_label(self) -> str:
@@ -140,15 +160,11 @@ class Outstanding:
 
     def __enter__(self) -> Target:
         t = self.target
-        t.outstanding += 1
-        t.outstanding_tokens += self.tokens
-        t.worker.outstanding += 1
-        t.worker.outstanding_tokens += self.tokens
+        t.board.add(t.slot, 1, self.tokens)
+        t.board.add(t.worker.slot, 1, self.tokens)
         return t
 
     def __exit__(self, *exc: object) -> None:
         t = self.target
-        t.outstanding -= 1
-        t.outstanding_tokens -= self.tokens
-        t.worker.outstanding -= 1
-        t.worker.outstanding_tokens -= self.tokens
+        t.board.add(t.slot, -1, -self.tokens)
+        t.board.add(t.worker.slot, -1, -self.tokens)
