@@ -21,6 +21,7 @@ from dprouter.attempts import Rules
 from dprouter.breaker import BreakerOptions, Breakers
 from dprouter.config import RouterConfig, validate
 from dprouter.drain import Drain
+from dprouter.follower import Channel, Follower, SharedBreakers
 from dprouter.handlers import Handlers
 from dprouter.httplog import quiet_malformed
 from dprouter.metrics import RouterMetrics
@@ -28,10 +29,13 @@ from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
 from dprouter.pd.proxy import PairProxy
 from dprouter.pd.registration import Registration
+from dprouter.placer import Placer
 from dprouter.policies import Policy, make_policy
+from dprouter.policies.manual import Manual
 from dprouter.proxy import Proxy
 from dprouter.registry import Registry
 from dprouter.relay import error
+from dprouter.turn import Turn
 
 log = logging.getLogger("dprouter")
 
@@ -48,6 +52,8 @@ class Parts:
     drain: Drain = field(default_factory=Drain)  # requests in flight, for a graceful stop
     proxy: Proxy | PairProxy | None = None  # made at start-up, with the upstream session
     registration: Registration | None = None  # MoRIIO instances register here
+    control: Channel | None = None  # a serving process of --processes N: the parent's link
+    turn: Turn | None = None  # ...and its decisions, one at a time with the others'
 
 
 PARTS = web.AppKey("dprouter", Parts)
@@ -60,7 +66,13 @@ def build_app(
     registry: Registry | None = None,
     policy: Policy | None = None,
     monitor: Monitor | None = None,
+    control: Channel | None = None,
+    metrics_dir: str | None = None,
+    turn: Turn | None = None,
 ) -> web.Application:
+    """The router's routes. ``control`` makes it one serving process of several: the
+    parent's control plane (``control``) then runs discovery, breakers and admin, and
+    ``monitor`` must be that process's ``Follower``."""
     config = validate(config)
     if registry is None:
         registry = Registry(dp_aware=config.dp_aware != "off")
@@ -70,30 +82,37 @@ def build_app(
         config=config,
         registry=registry,
         policy=policy or make_policy(config.policy_name, config.policy_options()),
-        monitor=monitor
-        or Monitor(
-            registry,
-            MonitorOptions(
-                scrape_interval=config.load_interval,
-                health_interval=config.health_interval,
-                health_failures=config.health_failures,
-                health_successes=config.health_successes,
-                health_timeout=config.health_timeout,
-            ),
-        ),
-        metrics=RouterMetrics(registry),
-        breakers=Breakers(
-            registry, BreakerOptions(config.breaker_failures, config.breaker_cooldown)
-        ),
+        monitor=monitor or Monitor(registry, monitor_options(config)),
+        metrics=RouterMetrics(registry, metrics_dir),
+        breakers=Breakers(registry, breaker_options(config)),
         admission=Admission(
             AdmissionOptions(config.max_concurrent, config.queue_size, config.queue_timeout)
         ),
+        control=control,
+        turn=turn,
     )
+    if control is not None and isinstance(parts.monitor, Follower):
+        parts.breakers = SharedBreakers(parts.monitor)
+        parts.breakers.options = breaker_options(config)
     app = web.Application(client_max_size=config.max_body, middlewares=[_last_resort])
     app[PARTS] = parts
     app.cleanup_ctx.append(_lifecycle)
     app.add_routes(Handlers(parts).routes())
     return app
+
+
+def monitor_options(config: RouterConfig) -> MonitorOptions:
+    return MonitorOptions(
+        scrape_interval=config.load_interval,
+        health_interval=config.health_interval,
+        health_failures=config.health_failures,
+        health_successes=config.health_successes,
+        health_timeout=config.health_timeout,
+    )
+
+
+def breaker_options(config: RouterConfig) -> BreakerOptions:
+    return BreakerOptions(config.breaker_failures, config.breaker_cooldown)
 
 
 @web.middleware
@@ -142,7 +161,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("Accept-Encoding",),
     )
-    if config.pd == "vllm-moriio":
+    if config.pd == "vllm-moriio" and parts.control is None:
         parts.registration = Registration(
             parts.registry, config.registration, config.heartbeat_timeout, parts.monitor.forget
         )
@@ -168,7 +187,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             rules,
         )
     else:
-        parts.proxy = Proxy(config, parts.registry, parts.policy, parts.metrics, rules)
+        placer = None
+        if parts.control is not None and isinstance(parts.policy, Manual):
+            placer = Placer(parts.control, parts.policy)
+        parts.proxy = Proxy(
+            config, parts.registry, parts.policy, parts.metrics, rules, placer, parts.turn
+        )
     await parts.monitor.start()
     try:
         yield
@@ -190,8 +214,19 @@ class Router:
         registry: Registry | None = None,
         policy: Policy | None = None,
         monitor: Monitor | None = None,
+        control: Channel | None = None,
+        metrics_dir: str | None = None,
+        turn: Turn | None = None,
     ) -> None:
-        self.app = build_app(config, registry=registry, policy=policy, monitor=monitor)
+        self.app = build_app(
+            config,
+            registry=registry,
+            policy=policy,
+            monitor=monitor,
+            control=control,
+            metrics_dir=metrics_dir,
+            turn=turn,
+        )
         self.parts = self.app[PARTS]
         self.config = self.parts.config
         self.port = self.config.port
@@ -215,7 +250,9 @@ class Router:
             if warning:
                 log.warning(warning)
         quiet_malformed()
-        sock = bind(self.config.host, self.port, self.config.backlog)
+        # serving processes of --processes N share the port (the kernel spreads connections)
+        shared = self.parts.control is not None
+        sock = bind(self.config.host, self.port, self.config.backlog, reuse_port=shared)
         self.port = sock.getsockname()[1]
         # a client that leaves cancels its handler, which closes the upstream request;
         # stopping closes the listener first, then gives in-flight requests the grace period

@@ -8,7 +8,7 @@ control plane). One process uses a private buffer; ``--processes N`` puts the
 same layout in shared memory made by the parent before the children start.
 
 Layout, int64 cells: ``inflight[rows][slots]``, ``tokens[rows][slots]``,
-``reported[slots]``.
+``reported[slots]``, then ``turn``: the row (+1) deciding now, 0 if none.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ I64 = npt.NDArray[np.int64]
 
 
 def size_of(rows: int, slots: int = SLOTS) -> int:
-    return (2 * rows + 1) * slots * 8
+    return (2 * rows + 1) * slots * 8 + 8  # and one cell: which row holds the turn
 
 
 class Board:
@@ -40,10 +40,11 @@ class Board:
         whole: I64 = np.frombuffer(self._view, np.int64)
         self.inflight = whole[: rows * slots].reshape(rows, slots)
         self.tokens = whole[rows * slots : 2 * rows * slots].reshape(rows, slots)
-        self.reported = whole[2 * rows * slots :]
+        self.reported = whole[2 * rows * slots : (2 * rows + 1) * slots]
         self.mine = row * slots  # where this process's inflight row starts
         self.token_base = rows * slots + row * slots
         self.reported_base = 2 * rows * slots
+        self.turn_cell = (2 * rows + 1) * slots
         self._free: list[int] = []
         self._next = 0
 

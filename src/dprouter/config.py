@@ -11,6 +11,7 @@ contradictions fail with a message that says what to change:
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -83,7 +84,14 @@ class RouterConfig:
     decode_policy: str | None = None
     registration: str = "tcp://127.0.0.1:36367"  # MoRIIO engines register here (ZMQ)
     heartbeat_timeout: float = 10.0  # MoRIIO: an instance silent this long is expired
+    processes: int | str = 1  # serving processes on the port; "auto": one per core
     warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def process_count(self) -> int:
+        if self.processes == "auto":
+            return len(os.sched_getaffinity(0))
+        return int(self.processes)
 
     @property
     def policy_name(self) -> str:
@@ -156,6 +164,13 @@ def validate(config: RouterConfig) -> RouterConfig:
         )
     if config.attempts < 1:
         raise ConfigError("--attempts must be at least 1")
+    processes = config.processes
+    if isinstance(processes, str) and processes != "auto":
+        if not processes.isdigit():
+            raise ConfigError(f"processes must be a number or auto, got {processes!r}")
+        processes = int(processes)
+    if isinstance(processes, int) and not 1 <= processes <= 256:
+        raise ConfigError(f"processes must be 1 to 256, got {processes}")
     for name in (
         "max_concurrent",
         "queue_size",
@@ -212,6 +227,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         assignment=assignment,
         workers=tuple(workers),
         warnings=tuple(warnings),
+        processes=processes,
     )
 
 

@@ -6,10 +6,11 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from dprouter.admin import Admin
 from dprouter.drain import grace_over
+from dprouter.follower import AdminRelay
 from dprouter.openapi import describe
 from dprouter.parse import Kind
 from dprouter.relay import STREAMING, error
@@ -38,7 +39,11 @@ class Handlers:
             web.get("/readiness", self.readiness),
             web.get("/metrics", self.metrics),
             web.get("/openapi.json", self.openapi),
-            *Admin(p.config, p.registry, p.monitor).routes(),
+            *(
+                AdminRelay(p.control).routes()
+                if p.control is not None
+                else Admin(p.config, p.registry, p.monitor).routes()
+            ),
         ]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -107,7 +112,7 @@ class Handlers:
         return web.json_response(self.description)
 
     async def metrics(self, _: web.Request) -> web.Response:
-        body = generate_latest(self.parts.metrics.prom)
+        body = self.parts.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

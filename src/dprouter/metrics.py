@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from dprouter.registry import Registry
@@ -71,7 +72,14 @@ class TargetSeries:
 
 
 class RouterMetrics:
-    def __init__(self, registry: Registry) -> None:
+    """``shared_dir``: one serving process of several; counters and histograms are kept
+    in per-process files there (prometheus_client's multiprocess mode) and summed on
+    exposition; the gauges are read off the shared board, so they are the whole
+    router's already."""
+
+    def __init__(self, registry: Registry, shared_dir: str | None = None) -> None:
+        self.shared_dir = shared_dir
+        self.live = _Live(registry)
         self.prom = CollectorRegistry(auto_describe=False)
         p = self.prom
         self.requests = Counter(
@@ -103,7 +111,8 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=p,
         )
-        p.register(_Live(registry))
+        if shared_dir is None:
+            p.register(self.live)
         self._series: dict[int, TargetSeries] = {}
 
     def series(self, target: Target) -> TargetSeries:
@@ -111,3 +120,11 @@ class RouterMetrics:
         if found is None or found.target is not target:
             found = self._series[id(target)] = TargetSeries(self, target)
         return found
+
+    def exposition(self) -> bytes:
+        if self.shared_dir is None:
+            return generate_latest(self.prom)
+        whole = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(whole, self.shared_dir)  # type: ignore[no-untyped-call]
+        whole.register(self.live)
+        return generate_latest(whole)

@@ -10,14 +10,23 @@ log = logging.getLogger("dprouter.net")
 SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
 
 
-def bind(host: str, port: int, backlog: int = 4096) -> socket.socket:
-    """A listening socket on ``host:port`` (IPv6 when the host has a colon)."""
+def bind(
+    host: str, port: int, backlog: int = 4096, reuse_port: bool = False, listen: bool = True
+) -> socket.socket:
+    """A listening socket on ``host:port`` (IPv6 when the host has a colon).
+
+    ``reuse_port``: several processes listen on the port (SO_REUSEPORT), each with its
+    own accept queue; ``listen=False`` only holds the port (the parent of serving
+    processes does, so that port 0 is resolved once and a restarted process finds it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host.strip("[]"), port))
-        sock.listen(backlog)
+        if listen:
+            sock.listen(backlog)
     except OSError:
         sock.close()
         raise

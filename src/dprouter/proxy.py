@@ -23,10 +23,12 @@ from dprouter.config import RouterConfig
 from dprouter.inbound import ClientRequest, read_request
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Incoming, Kind
+from dprouter.placer import Placer
 from dprouter.policies import Policy, RequestInfo
 from dprouter.registry import Registry
 from dprouter.relay import UpstreamBroke, error, relay
 from dprouter.targets import DialectName, Outstanding, Target
+from dprouter.turn import Turn
 
 
 class Proxy:
@@ -37,7 +39,11 @@ class Proxy:
         policy: Policy,
         metrics: RouterMetrics,
         rules: Rules,
+        placer: Placer | None = None,
+        turn: Turn | None = None,
     ) -> None:
+        self.placer = placer  # several serving processes: manual's keys are placed once
+        self.turn = turn  # several serving processes: one decision at a time
         self.config = config
         self.registry = registry
         self.policy = policy
@@ -66,9 +72,19 @@ class Proxy:
             if attempts.tried:
                 await attempts.pause()
                 info = replace(info, attempt=len(attempts.tried))
-            target = self.policy.select(candidates, info)
+            elif self.placer is not None and info.key is not None:
+                await self.placer.place(candidates, info)
+            if self.turn is None:
+                counted = Outstanding(self.policy.select(candidates, info), incoming.tokens)
+            else:
+                with self.turn:  # the pick and its count, in one step for all processes
+                    target = self.policy.select(candidates, info)
+                    counted = Outstanding(target, incoming.tokens).claim()
             try:
-                return await self._attempt(request, client, target, attempts, candidates, started)
+                with counted:  # counted on every exit, a claimed one too
+                    return await self._attempt(
+                        request, client, counted.target, attempts, candidates, started
+                    )
             except Failed as failure:
                 attempts.failed(failure)
         return attempts.give_up()
@@ -92,7 +108,7 @@ class Proxy:
             data = orjson.dumps(body)
         else:
             data = client.raw  # untouched: forward the client's bytes as they came
-        with Outstanding(target, incoming.tokens), self.aborter.on_cancel(target.worker, rid):
+        with self.aborter.on_cancel(target.worker, rid):
             upstream = await self.rules.post(target, request.path_qs, data, sent)
             self.rules.judge(target, upstream, attempts.last_chance(candidates))
             try:

@@ -22,6 +22,7 @@ from dprouter.config import (
     worker_from_mapping,
 )
 from dprouter.policies import POLICIES
+from dprouter.processes import Supervisor
 from dprouter.targets import ROLES
 
 log = logging.getLogger("dprouter")
@@ -122,6 +123,13 @@ def make_config(
     default=8080,
     show_default=True,
     help="Port to listen on (0: any free port; the log says which).",
+)
+@click.option(
+    "--processes",
+    default="1",
+    show_default=True,
+    metavar="N|auto",
+    help="Serving processes on the port, sharing one view of load (auto: one per core).",
 )
 @click.option(
     "--policy",
@@ -348,7 +356,9 @@ async def run(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    router = Router(config)
+    router: Router | Supervisor = Router(config)
+    if config.process_count > 1:
+        router = Supervisor(config)
     try:
         await router.start()
     except OSError as exc:
@@ -363,7 +373,19 @@ async def run(config: RouterConfig) -> None:
             raise click.ClickException(f"refusing to start with misconfigured workers: {names}")
         snapshot = router.registry.snapshot
         targets = sum(len(snapshot.pool(role)) for role in ROLES)
-        log.info("dprouter on %s: policy %s, %d target(s)", router.url, config.policy_name, targets)
-        await stop.wait()
+        log.info(
+            "dprouter on %s: policy %s, %d target(s), %d serving process(es)",
+            router.url,
+            config.policy_name,
+            targets,
+            config.process_count,
+        )
+        if isinstance(router, Supervisor):  # it may find it cannot serve after all
+            await asyncio.wait(
+                [asyncio.create_task(e.wait()) for e in (stop, router.gave_up)],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        else:
+            await stop.wait()
     finally:
         await router.stop()

@@ -149,22 +149,30 @@ class Outstanding:
     """Counts a request against its target for as long as the block runs.
 
     Released on every exit (error, cancellation, client disconnect), so the
-    counts never drift and need no periodic reset.
-    """
+    counts never drift and need no periodic reset. ``claim`` counts it before
+    the block, in the same step as the decision (see ``processes``)."""
 
-    __slots__ = ("target", "tokens")
+    __slots__ = ("claimed", "target", "tokens")
 
     def __init__(self, target: Target, tokens: int) -> None:
         self.target = target
         self.tokens = tokens
+        self.claimed = False
 
-    def __enter__(self) -> Target:
+    def claim(self) -> Outstanding:
         t = self.target
         t.board.add(t.slot, 1, self.tokens)
         t.board.add(t.worker.slot, 1, self.tokens)
-        return t
+        self.claimed = True
+        return self
+
+    def __enter__(self) -> Target:
+        if not self.claimed:
+            self.claim()
+        return self.target
 
     def __exit__(self, *exc: object) -> None:
         t = self.target
         t.board.add(t.slot, -1, -self.tokens)
         t.board.add(t.worker.slot, -1, -self.tokens)
+        self.claimed = False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,7 @@ from dprouter.httplog import quiet_malformed
 from dprouter.net import bind, url_of
 from dprouter.sim import endpoints
 from dprouter.sim.config import EngineConfig
+from dprouter.sim.endpoints import Handler
 from dprouter.sim.engine import Engine
 from dprouter.sim.metrics import vllm_registry
 from dprouter.sim.pd import Me
@@ -57,6 +58,7 @@ class SimServer:
         self.max_body = max_body
         self.persona = persona_for(config.persona)
         self.received: deque[Received] = deque(maxlen=10_000)
+        self.hits: Counter[str] = Counter()  # "GET /metrics": requests per method and path
         self.abort_requests: deque[object] = deque(maxlen=10_000)  # rids sent to /abort_request
         self.started = asyncio.Event()
         self.generation_requests = 0
@@ -89,13 +91,20 @@ class SimServer:
         return url_of(self.host, self.port)
 
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body, middlewares=[endpoints.not_found])
+        app = web.Application(
+            client_max_size=self.max_body, middlewares=[self._count, endpoints.not_found]
+        )
         if self.persona.name == "vllm":
             self.registry = vllm_registry(self.engine)
         app.add_routes(endpoints.Endpoints(self).routes())
         if self.pd is not None:
             app.add_routes(self.pd.routes())
         return app
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        self.hits[f"{request.method} {request.path}"] += 1
+        return await handler(request)
 
     async def start(self) -> None:
         quiet_malformed()  # peers probe with HTTP/2 prior knowledge: one line, not a trace

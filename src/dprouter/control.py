@@ -1,0 +1,171 @@
+"""The control plane of ``--processes N``: what runs once, in the parent.
+
+Discovery, health checks, load scraping, breakers, MoRIIO registrations, the
+admin API and the placement of new routing keys run here, on the one
+registry that hands out board slots. The serving processes follow it over a
+Unix socket (``follower``): they read a stream of whole states (the
+membership, each target's slot and breaker) and send back what they saw
+(failed attempts, refused connections). Load needs no message: it is on the
+shared board.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from dprouter.admin import Admin
+from dprouter.breaker import Breakers
+from dprouter.config import RouterConfig
+from dprouter.monitor import Monitor
+from dprouter.pd.registration import Registration
+from dprouter.policies import RequestInfo
+from dprouter.policies.manual import Manual
+from dprouter.registry import Registry
+from dprouter.relay import error
+from dprouter.targets import Target, Worker
+
+log = logging.getLogger("dprouter.control")
+# what a serving process needs to know of a worker, besides its targets
+WORKER_FIELDS = (
+    "id",
+    "url",
+    "role",
+    "dialect",
+    "dp_size",
+    "rank_offset",
+    "model",
+    "bootstrap_port",
+    "tp_size",
+    "zmq_address",
+    "transfer_mode",
+    "ranks",
+    "dp_attention",
+    "models",
+    "cards",
+    "state",
+    "error",
+    "slot",
+)
+
+
+def encode(registry: Registry, breakers: Breakers) -> bytes:
+    """The whole membership as one JSON line: level-triggered, so a follower that
+    missed a change loses nothing by reading the next state."""
+
+    def worker(w: Worker) -> dict[str, Any]:
+        found = {name: getattr(w, name) for name in WORKER_FIELDS}
+        found["targets"] = [
+            [t.rank, t.slot, t.tripped, breakers.failures(t) > 0] for t in w.targets
+        ]
+        return found
+
+    return orjson.dumps({"workers": [worker(w) for w in registry.workers.values()]}) + b"\n"
+
+
+class ControlPlane:
+    def __init__(
+        self, config: RouterConfig, registry: Registry, monitor: Monitor, breakers: Breakers
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.monitor = monitor
+        self.breakers = breakers
+        # manual's key table lives here, so a key sticks whichever process serves it
+        self.sessions = Manual(config.policy_options())
+        self.registration: Registration | None = None
+        self.listening: set[int] = set()  # rows of the serving processes that listen
+        self.joined = asyncio.Event()  # set when one more starts listening
+        self.version = 0
+        self._changed = asyncio.Event()
+        registry.listeners.append(self.changed)
+        self.app = web.Application(client_max_size=config.max_body)
+        self.app.add_routes(
+            [
+                web.get("/control/state", self.state),
+                web.post("/control/events", self.events),
+                web.post("/control/place", self.place),
+                *Admin(config, registry, monitor).routes(),
+            ]
+        )
+        self._runner: web.AppRunner | None = None
+
+    def changed(self) -> None:
+        self.version += 1
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    async def start(self, path: str) -> None:
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        await web.UnixSite(self._runner, path).start()
+        if self.config.pd == "vllm-moriio":
+            self.registration = Registration(
+                self.registry,
+                self.config.registration,
+                self.config.heartbeat_timeout,
+                self.monitor.forget,
+            )
+            await self.registration.start()
+        await self.monitor.start()
+
+    async def stop(self) -> None:
+        if self.registration is not None:
+            await self.registration.stop()
+        await self.monitor.stop()
+        self.breakers.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def state(self, request: web.Request) -> web.StreamResponse:
+        """A state now, then one after every change, for as long as the follower reads."""
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        while True:
+            waiting = self._changed
+            await response.write(encode(self.registry, self.breakers))
+            await waiting.wait()
+
+    async def events(self, request: web.Request) -> web.Response:
+        by_slot = {t.slot: t for t in self.registry.targets()}
+        failed = False
+        for event in orjson.loads(await request.read()):
+            kind = event["kind"]
+            if kind == "listening":
+                self.listening.add(int(event["row"]))
+                self.joined.set()
+                continue
+            if kind == "suspect":
+                worker = self.registry.workers.get(event["worker"])
+                if worker is not None:
+                    self.monitor.suspect(worker)
+                continue
+            target: Target | None = by_slot.get(event["slot"])
+            if target is None:
+                continue  # its worker left meanwhile
+            if kind == "failed":
+                failed = True
+                self.breakers.failed(target)
+            elif kind == "succeeded":
+                self.breakers.succeeded(target)
+            elif kind == "rest":
+                self.breakers.rest(target, float(event["seconds"]))
+        if failed:
+            self.changed()  # followers learn which targets are failing: a success resets them
+        return web.json_response({})
+
+    async def place(self, request: web.Request) -> web.Response:
+        """Where a routing key goes: where it went before, or placed now, over the
+        candidates the serving process names (by slot)."""
+        asked = orjson.loads(await request.read())
+        by_slot = {t.slot: t for t in self.registry.targets()}
+        candidates = [t for s in asked["slots"] if (t := by_slot.get(s)) is not None]
+        if not candidates:
+            return error(409, "none of those targets is known")
+        now = asyncio.get_running_loop().time()
+        target = self.sessions.select(candidates, RequestInfo(key=asked["key"], now=now))
+        return web.json_response({"slot": target.slot})

@@ -1,0 +1,188 @@
+"""A serving process of ``--processes N``: it follows the control plane.
+
+``Channel`` is the Unix-socket link to the parent. ``Follower`` stands where a
+``Monitor`` stands in one process: it applies each state the parent streams to
+a registry of its own (same slots, so the board's counts line up) and passes
+refused connections up. ``SharedBreakers`` passes attempts' outcomes up; the
+parent decides and the next state says which targets are out. ``AdminRelay``
+passes admin calls to the parent's admin API (``placer`` asks it where a new
+routing key goes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from dprouter.breaker import Breakers
+from dprouter.control import WORKER_FIELDS
+from dprouter.monitor import Monitor
+from dprouter.registry import Registry
+from dprouter.relay import error
+from dprouter.targets import Target, Worker
+
+log = logging.getLogger("dprouter.follower")
+BASE = "http://control"  # the host is ignored: the connector dials the Unix socket
+
+
+class Channel:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=path),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        )
+        self._queue: list[dict[str, Any]] = []
+        self._flush: asyncio.Task[None] | None = None
+
+    def send(self, event: dict[str, Any]) -> None:
+        """Queued, and sent in one batch with the others of this loop turn."""
+        self._queue.append(event)
+        if self._flush is None or self._flush.done():
+            self._flush = asyncio.get_running_loop().create_task(self._send())
+
+    async def _send(self) -> None:
+        await asyncio.sleep(0)
+        batch, self._queue = self._queue, []
+        try:
+            async with self.session.post(BASE + "/control/events", data=orjson.dumps(batch)) as r:
+                await r.read()
+        except aiohttp.ClientError as exc:
+            log.warning("control plane unreachable (%s): %d event(s) lost", exc, len(batch))
+
+    async def close(self) -> None:
+        if self._flush is not None:
+            await asyncio.gather(self._flush, return_exceptions=True)
+        await self.session.close()
+
+
+def apply(registry: Registry, state: dict[str, Any]) -> None:
+    """Make ``registry`` what the parent's is. Worker and target objects are kept while
+    their slots are (policies hold on to targets: a sticky key must not see a new one)."""
+    workers: dict[str, Worker] = {}
+    for found in state["workers"]:
+        worker = registry.workers.get(found["id"])
+        if worker is None or worker.slot != found["slot"]:
+            worker = Worker(id=found["id"], url=found["url"], board=registry.board)
+        for name in WORKER_FIELDS:
+            value = found[name]
+            setattr(worker, name, tuple(value) if name == "models" else value)
+        have = {t.slot: t for t in worker.targets}
+        targets = []
+        for rank, slot, tripped, _ in found["targets"]:
+            target = have.get(slot) or Target(worker, rank, registry.board, slot)
+            target.tripped = tripped
+            targets.append(target)
+        worker.targets = targets
+        workers[worker.id] = worker
+    registry.workers = workers
+    registry.rebuild()
+
+
+class Follower(Monitor):
+    """Discovery, scraping and health checks happen in the parent; this follows."""
+
+    def __init__(self, registry: Registry, channel: Channel) -> None:
+        super().__init__(registry)
+        self.channel = channel
+        self.failing: set[int] = set()  # slots the parent counts failures for
+        self._follow: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        first = asyncio.get_running_loop().create_future()
+        self._follow = asyncio.create_task(self._read(first), name="follow")
+        await first  # the first state is in before the process listens
+
+    async def stop(self) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
+
+    def watch(self, worker: Worker) -> None:
+        """Discovery is the parent's."""
+
+    def suspect(self, worker: Worker) -> None:
+        if worker.ready:
+            self.channel.send({"kind": "suspect", "worker": worker.id})
+
+    async def _read(self, first: asyncio.Future[None]) -> None:
+        try:
+            async with self.channel.session.get(BASE + "/control/state") as r:
+                async for line in r.content:
+                    state = orjson.loads(line)
+                    apply(self.registry, state)
+                    self.failing = {t[1] for w in state["workers"] for t in w["targets"] if t[3]}
+                    self.changed.set()
+                    if not first.done():
+                        first.set_result(None)
+        except aiohttp.ClientError as exc:
+            if not first.done():
+                first.set_exception(exc)
+                return
+        # the parent is gone: a serving process does not outlive its control plane
+        log.error("control plane gone: stopping this serving process")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SharedBreakers(Breakers):
+    """Outcomes go to the parent's breakers; which targets are out comes back in the state."""
+
+    def __init__(self, follower: Follower) -> None:
+        super().__init__(follower.registry)
+        self.follower = follower
+
+    def failures(self, target: Target) -> int:
+        return 1 if target.slot in self.follower.failing else 0
+
+    def succeeded(self, target: Target) -> None:
+        failing = self.follower.failing
+        if failing and target.slot in failing:  # the common case costs one test
+            failing.discard(target.slot)
+            self.follower.channel.send({"kind": "succeeded", "slot": target.slot})
+
+    def failed(self, target: Target) -> None:
+        if self.options.failures > 0 and not target.tripped:
+            self.follower.failing.add(target.slot)
+            self.follower.channel.send({"kind": "failed", "slot": target.slot})
+
+    def rest(self, target: Target, seconds: float) -> None:
+        if not target.tripped:
+            self.follower.channel.send({"kind": "rest", "slot": target.slot, "seconds": seconds})
+
+
+class AdminRelay:
+    """The admin API as the parent runs it: a worker added through any serving process
+    is added once, for all of them."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/workers", self.relay),
+            web.get("/workers", self.relay),
+            web.delete("/workers/{worker_id}", self.relay),
+        ]
+
+    async def relay(self, request: web.Request) -> web.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            async with self.channel.session.request(
+                request.method,
+                BASE + request.path_qs,
+                data=await request.read(),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=90),
+            ) as r:
+                body = await r.read()
+                kind = r.headers.get("Content-Type", "application/json")
+                return web.Response(status=r.status, body=body, headers={"Content-Type": kind})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return error(503, f"the router's control plane did not answer ({exc})")

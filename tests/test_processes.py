@@ -1,0 +1,249 @@
+"""``--processes 2``: two serving processes on one port, against simulated engines.
+
+Each test starts the parent (``Supervisor``) in-process; its serving processes
+are real processes. Clients open a connection per request, so the kernel
+spreads them over both processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from dprouter.config import RouterConfig
+from dprouter.processes import Supervisor
+from dprouter.sim.config import EngineConfig, Faults
+from tests.conftest import StartCluster, metric_sum, until, workers
+
+StartProcesses = Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]]
+LONG: dict[str, Any] = {"prompt": "a long answer", "max_tokens": 3000, "stream": True}
+SHORT: dict[str, Any] = {"prompt": "route me", "max_tokens": 2}
+
+
+@pytest.fixture
+async def start_processes() -> AsyncIterator[StartProcesses]:
+    started: list[Supervisor] = []
+
+    async def start(config: RouterConfig) -> Supervisor:
+        sup = Supervisor(replace(config, port=0, processes=2, grace=min(config.grace, 5.0)))
+        started.append(sup)
+        await sup.start()
+        assert await sup.settled(10), "discovery did not settle"
+        return sup
+
+    yield start
+    for sup in started:
+        if not sup.stopping:
+            await sup.stop()
+
+
+def fresh() -> aiohttp.ClientSession:
+    """A client whose every request opens a connection of its own."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+async def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    """One request on a connection of its own (so either process may accept it)."""
+    async with fresh() as s, s.post(url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+        return r.headers["x-sim-engine"], r.headers["x-sim-dp-rank"]
+
+
+async def hold_stream(url: str, opened: list[int]) -> None:
+    """A long stream, read until cancelled; ``opened`` counts the ones under way."""
+    async with fresh() as s, s.post(url + "/v1/completions", json=LONG) as r:
+        assert r.status == 200
+        await r.content.readline()
+        opened.append(1)
+        async for _ in r.content:
+            pass
+
+
+def in_flight(sup: Supervisor) -> int:
+    return sum(t.outstanding for t in sup.registry.targets())
+
+
+def upstream_owners(pids: list[int], port: int) -> set[int]:
+    """Which of ``pids`` hold a TCP connection to local ``port`` (from /proc)."""
+    inodes: set[str] = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == port and fields[3] == "01":  # ESTABLISHED
+            inodes.add(fields[9])
+    owners = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                owners.add(pid)
+    return owners
+
+
+async def test_least_load_puts_exactly_3_of_24_slow_requests_on_each_of_8_targets(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=4), EngineConfig(dp_size=4)])
+    sup = await start_processes(RouterConfig(workers=workers(*cluster.urls), policy="least_load"))
+    opened: list[int] = []
+    tasks = [asyncio.create_task(hold_stream(sup.url, opened)) for _ in range(24)]
+    try:
+        assert await until(lambda: len(opened) == 24, seconds=20)
+        ranks = Counter((s.engine_id, rec.rank) for s in cluster.servers for rec in s.received)
+        assert len(ranks) == 8 and set(ranks.values()) == {3}, ranks
+        assert in_flight(sup) == 24  # the parent sees both processes' counts
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert await until(lambda: in_flight(sup) == 0, seconds=10)
+
+
+@pytest.mark.parametrize(
+    ("policy", "assignment"),
+    [
+        ("manual", "random"),
+        ("manual", "min_load"),
+        ("manual", "min_group"),
+        ("consistent_hash", None),
+    ],
+)
+async def test_a_key_on_20_connections_always_reaches_one_target(
+    start_cluster: StartCluster,
+    start_processes: StartProcesses,
+    policy: str,
+    assignment: str | None,
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=4), EngineConfig(dp_size=4)])
+    config = RouterConfig(workers=workers(*cluster.urls), policy=policy, assignment=assignment)
+    sup = await start_processes(config)
+    for key in ("alice", "bob"):
+        seen = await asyncio.gather(
+            *(post(sup.url, SHORT, {"X-Session-ID": key}) for _ in range(20))
+        )
+        assert len(set(seen)) == 1, Counter(seen)
+
+
+async def test_an_admin_added_worker_gets_traffic_from_both_processes(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    first, second = (await start_cluster([EngineConfig(dp_size=2)])).urls[0], None
+    cluster = await start_cluster([EngineConfig(dp_size=2)])
+    second = cluster.urls[0]
+    sup = await start_processes(RouterConfig(workers=workers(first), admin_token="t"))
+    auth = {"Authorization": "Bearer t"}
+    add = f"{sup.url}/workers?wait=5"
+    async with fresh() as s, s.post(add, json={"url": second}, headers=auth) as r:
+        assert r.status == 201, await r.text()
+        assert (await r.json())["state"] == "ready"
+    # every process routes to it within a second, each over its own connections
+    port = int(second.rsplit(":", 1)[1])
+    pids = [c.pid for c in sup.children.values() if c.pid is not None]
+
+    for _ in range(5):
+        await asyncio.gather(*(post(sup.url, SHORT) for _ in range(16)))
+        if upstream_owners(pids, port) == set(pids):
+            break
+    assert upstream_owners(pids, port) == set(pids)
+    assert len(cluster.servers[0].received) >= 2
+
+
+async def test_each_engine_is_scraped_once_per_interval_whatever_the_processes(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=2)])
+    interval = 0.2
+    await start_processes(RouterConfig(workers=workers(*cluster.urls), load_interval=interval))
+    hits = cluster.servers[0].hits
+    before = hits["GET /metrics"]
+    await asyncio.sleep(2.0)
+    scrapes = hits["GET /metrics"] - before
+    assert 2.0 / interval * 0.5 <= scrapes <= 2.0 / interval + 1  # once, not twice, per interval
+
+
+async def test_a_killed_serving_process_is_replaced_and_its_counts_released(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=4)])
+    sup = await start_processes(RouterConfig(workers=workers(*cluster.urls)))
+    opened: list[int] = []
+    tasks = [asyncio.create_task(hold_stream(sup.url, opened)) for _ in range(12)]
+    try:
+        assert await until(lambda: len(opened) == 12, seconds=20)
+        assert in_flight(sup) == 12
+        victim = sup.children[0]
+        held = int(sup.board.inflight[0].sum()) // 2  # its row counts targets and workers
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        assert await until(lambda: sup.replaced == 1 and len(sup.control.listening) == 2)
+        assert sup.children[0].pid != victim.pid
+        # its streams are gone, and so are their counts; the other process's stand
+        assert await until(lambda: in_flight(sup) == 12 - held, seconds=5)
+        assert sum(t.done() for t in tasks) == held
+        assert (await post(sup.url, SHORT))[0] == "engine-0"  # still serving
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert await until(lambda: in_flight(sup) == 0, seconds=10)
+
+
+async def test_sigterm_drains_both_processes_with_the_one_grace(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=4)])
+    sup = await start_processes(RouterConfig(workers=workers(*cluster.urls), grace=10.0))
+    body = {**LONG, "max_tokens": 150}  # about a second each
+
+    async def whole() -> bytes:
+        async with fresh() as s, s.post(sup.url + "/v1/completions", json=body) as r:
+            return await r.read()
+
+    streams = [asyncio.create_task(whole()) for _ in range(8)]
+    assert await until(lambda: in_flight(sup) == 8, seconds=10)
+    await sup.stop()  # SIGTERM to both; returns once both have exited
+    answers = await asyncio.gather(*streams)
+    assert all(a.rstrip().endswith(b"data: [DONE]") and b"error" not in a for a in answers)
+    assert [c.exitcode for c in sup.children.values()] == [0, 0]
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await post(sup.url, SHORT)
+
+
+async def test_metrics_count_the_requests_of_every_process(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=2)])
+    sup = await start_processes(RouterConfig(workers=workers(*cluster.urls)))
+    await asyncio.gather(*(post(sup.url, SHORT) for _ in range(20)))
+    async with aiohttp.ClientSession() as http:
+        assert await metric_sum(http, sup.url, "dprouter_requests_total") == 20
+
+
+async def test_a_breaker_opened_by_failures_in_any_process_holds_in_all(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    failing = EngineConfig(dp_size=4, faults=Faults(failing_ranks=frozenset({1})))
+    cluster = await start_cluster([failing])
+    config = RouterConfig(workers=workers(*cluster.urls), breaker_failures=2, breaker_cooldown=60.0)
+    sup = await start_processes(config)
+    # both processes meet the failing rank; each failure is retried elsewhere
+    await asyncio.gather(*(post(sup.url, SHORT) for _ in range(16)))
+    rank1 = next(t for t in sup.registry.targets() if t.rank == 1)
+    assert await until(lambda: rank1.tripped)
+    received = cluster.servers[0].received
+    before = sum(rec.rank == 1 for rec in received)
+    await asyncio.sleep(0.2)  # the state reaches both processes
+    await asyncio.gather(*(post(sup.url, SHORT) for _ in range(24)))
+    assert sum(rec.rank == 1 for rec in received) == before
