@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
 
 from dprouter.policies import POLICIES, PolicyOptions, RequestInfo, make_policy
+from dprouter.policies.base import rotated
 from dprouter.policies.consistent_hash import hash64, mix
 from dprouter.registry import Registry
 from dprouter.targets import Outstanding, Target, Worker
@@ -176,3 +178,44 @@ def test_registry_names_every_policy() -> None:
     ]
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         make_policy("nope")
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (8,) * 8, (16,) * 20], ids=["5", "64", "320"])
+def test_fast_scans_choose_exactly_what_the_plain_definitions_choose(
+    shape: tuple[int, ...],
+) -> None:
+    """Policies read loads as tuples (small pools) or numpy arrays (from 128 targets): the
+    choice, tie-breaks included, is the plain scan's: the first least from a rotating start
+    (min_tokens: by target tokens, then engine tokens; power_of_two: random.sample's draws)."""
+    rng = random.Random(3)
+    _, targets = fleet(*shape)
+    ll, mt = make_policy("least_load"), make_policy("min_tokens")
+    p2 = make_policy("power_of_two", PolicyOptions(seed=5))
+    twin = random.Random(5)
+    for step in range(1, 200):
+        for t in targets:
+            t.outstanding = rng.choice((0, 0, 1, 2, 5))
+            t.reported = rng.choice((0, 0, 3))
+            t.outstanding_tokens = rng.choice((0, 100, 100, 700))
+        expected = min(rotated(targets, step), key=lambda t: t.load)
+        assert ll.select(targets, NO_KEY) is expected
+        by_tokens = min(
+            rotated(targets, step),
+            key=lambda t: (t.outstanding_tokens, t.worker.outstanding_tokens),
+        )
+        assert mt.select(targets, NO_KEY) is by_tokens
+        i, j = twin.sample(range(len(targets)), 2)
+        a, b = targets[i], targets[j]
+        assert p2.select(targets, NO_KEY) is (b if b.load < a.load else a)
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (16,) * 20], ids=["5", "320"])
+def test_manual_min_group_places_keys_as_the_plain_count_does(shape: tuple[int, ...]) -> None:
+    _, targets = fleet(*shape)
+    manual = make_policy("manual", PolicyOptions(assignment="min_group"))
+    counts: Counter[str] = Counter()
+    for i in range(1, 400):
+        expected = min(rotated(targets, i), key=lambda t: counts[t.label])
+        placed = manual.select(targets, RequestInfo(key=f"k{i}"))
+        assert placed is expected
+        counts[placed.label] += 1

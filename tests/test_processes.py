@@ -184,7 +184,7 @@ async def test_a_killed_serving_process_is_replaced_and_its_counts_released(
         assert await until(lambda: len(opened) == 12, seconds=20)
         assert in_flight(sup) == 12
         victim = sup.children[0]
-        held = int(sup.board.inflight[0].sum()) // 2  # its row counts targets and workers
+        held = int(sup.board.own_inflight[0].sum()) // 2  # its row counts targets and workers
         assert victim.pid is not None
         os.kill(victim.pid, signal.SIGKILL)
         assert await until(lambda: sup.replaced == 1 and len(sup.control.listening) == 2)

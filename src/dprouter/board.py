@@ -1,27 +1,38 @@
-"""The load board: requests and tokens in flight per slot, one row per serving process.
+"""The load board: requests and tokens in flight per slot, for the whole router.
 
-Every target and every worker owns a slot. A serving process writes only its
-own row (no lock: one writer per cell) and readers sum the rows, so a request
-counted in one process is seen by the next decision in any process. The
-engine-reported load has one row of its own, written by whoever scrapes (the
-control plane). One process uses a private buffer; ``--processes N`` puts the
-same layout in shared memory made by the parent before the children start.
+Every target and every worker owns a slot. The board keeps, per slot, the
+router's requests and tokens in flight, the load the engine reported, and
+``load`` = max(in flight, reported): the one number the policies compare,
+kept up to date on every change so that a decision reads one row, at C speed.
 
-Layout, int64 cells: ``inflight[rows][slots]``, ``tokens[rows][slots]``,
-``reported[slots]``, then ``turn``: the row (+1) deciding now, 0 if none.
+One process keeps the board in a private buffer. ``--processes N`` puts it in
+shared memory (made by the parent before the children start) with, besides
+the whole-router rows, one row per serving process of what that process has
+in flight -- so that the parent can release what a killed process held. Then
+every write takes the ``Turn`` (a semaphore shared by the processes), so a
+request counted in one process is seen by the next decision in any process.
+
+Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
+``inflight[slots]``, ``tokens[slots]``, ``reported[slots]``, ``load[slots]``,
+then one cell: the row (+1) holding the turn, 0 if none.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from dprouter.turn import Turn
 
 SLOTS = 1 << 15  # targets + workers a router can hold (4,096 ranks is 1/8 of it)
 I64 = npt.NDArray[np.int64]
 
 
 def size_of(rows: int, slots: int = SLOTS) -> int:
-    return (2 * rows + 1) * slots * 8 + 8  # and one cell: which row holds the turn
+    return ((2 * rows + 4) * slots + 1) * 8
 
 
 class Board:
@@ -31,64 +42,109 @@ class Board:
         row: int = 0,
         slots: int = SLOTS,
         buffer: memoryview | bytearray | None = None,
+        turn: Turn | None = None,
     ) -> None:
         self.rows, self.row, self.slots = rows, row, slots
-        raw = memoryview(buffer if buffer is not None else bytearray(size_of(rows, slots)))
-        self._view = raw[: size_of(rows, slots)]
+        self.turn = turn  # shared: every write takes it (the writer may hold it already)
+        size = size_of(rows, slots)
+        raw = memoryview(buffer if buffer is not None else bytearray(size))
+        self._view = raw[:size]
         raw.release()
-        self.cells = self._view.cast("q")  # the writer's fast path
+        self.cells = self._view.cast("q")  # one cell at a time, at C speed
         whole: I64 = np.frombuffer(self._view, np.int64)
-        self.inflight = whole[: rows * slots].reshape(rows, slots)
-        self.tokens = whole[rows * slots : 2 * rows * slots].reshape(rows, slots)
-        self.reported = whole[2 * rows * slots : (2 * rows + 1) * slots]
-        self.mine = row * slots  # where this process's inflight row starts
-        self.token_base = rows * slots + row * slots
-        self.reported_base = 2 * rows * slots
-        self.turn_cell = (2 * rows + 1) * slots
+        own = rows * slots
+        self.own_inflight = whole[:own].reshape(rows, slots)
+        self.own_tokens = whole[own : 2 * own].reshape(rows, slots)
+        self.inflight, self.tokens, self.reported, self.load = (
+            whole[2 * own + i * slots : 2 * own + (i + 1) * slots] for i in range(4)
+        )
+        self.mine = row * slots  # where this process's own rows start
+        self.mine_tokens = own + row * slots
+        self.inflight_base = 2 * own
+        self.tokens_base = 2 * own + slots
+        self.reported_base = 2 * own + 2 * slots
+        self.load_base = 2 * own + 3 * slots
+        self.turn_cell = 2 * own + 4 * slots
+        # the rows policies read, one cell per slot (an itemgetter over slots reads many)
+        self.load_cells = self.cells[self.load_base : self.load_base + slots]
+        self.tokens_cells = self.cells[self.tokens_base : self.tokens_base + slots]
         self._free: list[int] = []
         self._next = 0
 
     def close(self) -> None:
         """Let go of the buffer (shared memory cannot be closed while views of it live)."""
-        del self.inflight, self.tokens, self.reported
+        del self.own_inflight, self.own_tokens, self.inflight, self.tokens
+        del self.reported, self.load
+        self.load_cells.release()
+        self.tokens_cells.release()
         self.cells.release()
         self._view.release()
 
-    # -- reading: the whole router --------------------------------------------------
+    # -- reading --------------------------------------------------------------------
 
     def inflight_of(self, slot: int) -> int:
-        if self.rows == 1:
-            return self.cells[slot]
-        return int(self.inflight[:, slot].sum())
+        return self.cells[self.inflight_base + slot]
 
     def tokens_of(self, slot: int) -> int:
-        if self.rows == 1:
-            return self.cells[self.slots + slot]
-        return int(self.tokens[:, slot].sum())
+        return self.cells[self.tokens_base + slot]
 
     def reported_of(self, slot: int) -> int:
         return self.cells[self.reported_base + slot]
 
-    # -- writing: this process's row (and the reported row, by the control plane) ---
+    def load_of(self, slot: int) -> int:
+        return self.cells[self.load_base + slot]
+
+    # -- writing --------------------------------------------------------------------
 
     def add(self, slot: int, requests: int, tokens: int) -> None:
-        self.cells[self.mine + slot] += requests
-        self.cells[self.token_base + slot] += tokens
+        turn = self.turn
+        if turn is None or turn.held:
+            self._add(slot, requests, tokens)
+        else:
+            with turn:
+                self._add(slot, requests, tokens)
+
+    def _add(self, slot: int, requests: int, tokens: int) -> None:
+        c = self.cells
+        if self.rows > 1:
+            c[self.mine + slot] += requests
+            c[self.mine_tokens + slot] += tokens
+        n = c[self.inflight_base + slot] + requests
+        c[self.inflight_base + slot] = n
+        c[self.tokens_base + slot] += tokens
+        r = c[self.reported_base + slot]
+        c[self.load_base + slot] = n if n > r else r
 
     def set_inflight(self, slot: int, value: int) -> None:
-        """Make the whole router's count ``value`` by adjusting this process's cell."""
-        self.cells[self.mine + slot] += value - self.inflight_of(slot)
+        """Make the router's count ``value`` (counted as this process's)."""
+        self.add(slot, value - self.inflight_of(slot), 0)
 
     def set_tokens(self, slot: int, value: int) -> None:
-        self.cells[self.token_base + slot] += value - self.tokens_of(slot)
+        self.add(slot, 0, value - self.tokens_of(slot))
 
     def report(self, slot: int, value: int) -> None:
-        self.cells[self.reported_base + slot] = value
+        """What the engine says runs and waits there."""
+        turn = self.turn
+        if turn is not None and not turn.held:
+            with turn:
+                self.report(slot, value)
+            return
+        c = self.cells
+        c[self.reported_base + slot] = value
+        n = c[self.inflight_base + slot]
+        c[self.load_base + slot] = n if n > value else value
 
     def release(self, row: int) -> None:
         """A serving process died: what it had in flight is in flight no more."""
-        self.inflight[row, :] = 0
-        self.tokens[row, :] = 0
+        if self.turn is not None and not self.turn.held:
+            with self.turn:
+                self.release(row)
+            return
+        self.inflight -= self.own_inflight[row]
+        self.tokens -= self.own_tokens[row]
+        np.maximum(self.inflight, self.reported, out=self.load)
+        self.own_inflight[row, :] = 0
+        self.own_tokens[row, :] = 0
 
     # -- slots: handed out by the one process that owns membership ------------------
 
@@ -96,7 +152,7 @@ class Board:
         """A free slot. A freed one is reused only once nothing is in flight on it (a
         request on a removed worker still finishes and decrements its old slot)."""
         for i, slot in enumerate(self._free):
-            if not self.inflight[:, slot].any() and not self.tokens[:, slot].any():
+            if not self.cells[self.inflight_base + slot] and not self.tokens_of(slot):
                 del self._free[i]
                 self.report(slot, 0)
                 return slot

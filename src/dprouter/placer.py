@@ -43,8 +43,8 @@ class Placer:
         chosen = next((t for t in targets if t.slot == slot), None)
         if chosen is not None:
             if held is not None:
-                self.policy.group[held[0].label] -= 1
-            self.policy.group[chosen.label] += 1
+                self.policy.count(held[0], -1)
+            self.policy.count(chosen, 1)
             self.policy.sticky[key] = (chosen, info.now)
             self._asked[key] = info.now
             if len(self._asked) > 2 * max(len(self.policy.sticky), 1024):

@@ -30,7 +30,7 @@ from dprouter.config import RouterConfig, validate
 from dprouter.monitor import Monitor
 from dprouter.net import bind, url_of
 from dprouter.registry import Registry
-from dprouter.turn import Semaphore, hand_back
+from dprouter.turn import Semaphore, Turn, hand_back
 
 log = logging.getLogger("dprouter")
 SPAWN = multiprocessing.get_context("spawn")  # never fork a process with a running loop
@@ -63,6 +63,7 @@ class Supervisor:
         self._memory = SharedMemory(create=True, size=size_of(self.rows))
         self.board = Board(rows=self.rows, buffer=self._memory.buf)
         self.turn = SPAWN.Semaphore(1)
+        self.board.turn = Turn(self.turn, self.board, holder=self.rows + 1)
         self.registry = Registry(dp_aware=config.dp_aware != "off", board=self.board)
         for spec in config.workers:
             self.registry.add(worker_from_spec(spec, self.registry))
@@ -127,9 +128,9 @@ class Supervisor:
         loop.remove_reader(child.sentinel)
         child.join(0)
         self.control.listening.discard(row)
-        self.board.release(row)  # its requests are in flight no more
         if hand_back(self.turn, self.board, row):
-            log.warning("serving process %d died deciding: its turn is handed back", row)
+            log.warning("serving process %d died holding the turn: handed back", row)
+        self.board.release(row)  # its requests are in flight no more
         if self.stopping:
             if not any(c.is_alive() for c in self.children.values()):
                 self._gone.set()

@@ -48,6 +48,7 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     board = Board(rows=seat.rows, row=seat.row, buffer=memory.buf)
+    board.turn = Turn(seat.turn, board, holder=seat.row + 1)
     registry = Registry(dp_aware=seat.config.dp_aware != "off", board=board)
     channel = Channel(seat.control)
     router = Router(
@@ -56,7 +57,7 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
         monitor=Follower(registry, channel),
         control=channel,
         metrics_dir=seat.metrics,
-        turn=Turn(seat.turn, board),
+        turn=board.turn,
     )
     try:
         await router.start()

@@ -135,7 +135,7 @@ class Target:
     @property
     def load(self) -> int:
         """The router's own count, or the engine's when it knows of more (other clients)."""
-        return max(self.board.inflight_of(self.slot), self.board.reported_of(self.slot))
+        return self.board.load_of(self.slot)
 
     @property
     def rank_label(self) -> str:

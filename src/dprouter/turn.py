@@ -1,12 +1,12 @@
 """One decision at a time across serving processes.
 
-The board's counts need no lock (one writer per cell), but a decision is a read
-followed by a write: two processes picking at the same microsecond would both
-see the same idle rank and both take it. Picking and counting the pick are one
-step under a semaphore shared by the serving processes (held for the policy's
-few microseconds, never across an await). The board records which row holds
-it, so that the parent can hand the turn back if that process is killed while
-holding it.
+A decision is a read followed by a write: two processes picking at the same
+microsecond would both see the same idle rank and both take it. Picking and
+counting the pick are one step under a semaphore shared by the serving
+processes and the parent (held for the policy's few microseconds, never
+across an await); every other write to the board takes it too, which keeps
+the board's whole-router rows exact. The board records who holds it, so that
+the parent can hand the turn back if a process is killed while holding it.
 """
 
 from __future__ import annotations
@@ -27,15 +27,19 @@ class Semaphore(Protocol):
 
 
 class Turn:
-    def __init__(self, semaphore: Semaphore, board: Board) -> None:
+    """``holder``: how the board names this process while it holds the turn (a serving
+    process: its row + 1; the parent: one more than the rows)."""
+
+    def __init__(self, semaphore: Semaphore, board: Board, holder: int) -> None:
         self.semaphore = semaphore
         self.board = board
+        self.holder = holder
         self.held = False
 
     def __enter__(self) -> None:
         self.held = self.semaphore.acquire(True, PATIENCE)
         if self.held:
-            self.board.cells[self.board.turn_cell] = self.board.row + 1
+            self.board.cells[self.board.turn_cell] = self.holder
         else:  # the parent hands a dead holder's turn back; this is a last resort
             log.error("no decision turn within %g s: deciding without it", PATIENCE)
 
@@ -43,6 +47,7 @@ class Turn:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self.held:
+            self.held = False
             self.board.cells[self.board.turn_cell] = 0
             self.semaphore.release()
 

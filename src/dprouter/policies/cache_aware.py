@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dprouter.policies.base import LOAD, PolicyOptions, RequestInfo, least_loaded
+from dprouter.policies.base import LOAD, PolicyOptions, Readers, RequestInfo, first_least
 from dprouter.targets import Target
 
 BLOCK = 64  # characters per block
@@ -42,15 +42,20 @@ class CacheAware:
         self._pool: Sequence[Target] | None = None
         self._by_label: dict[str, Target] = {}
         self.start = 0
+        self.readers = Readers()
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
         blocks = text_blocks(request.text)
-        hi, lo = max(targets, key=LOAD).load, min(targets, key=LOAD).load
-        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            chosen = least_loaded(targets, self.start)
-        else:
-            chosen = self._best_match(targets, blocks) or least_loaded(targets, self.start)
+        if len(targets) == 1:
+            chosen = targets[0]
+        else:  # every target's load, read once: the balance rule sees them all
+            loads = self.readers.of(targets).loads()
+            hi, lo = int(loads.max()), int(loads.min())
+            match = None
+            if hi - lo <= self.balance_abs or hi <= self.balance_rel * lo:
+                match = self._best_match(targets, blocks)
+            chosen = match or targets[first_least(loads, self.start)]
         self._remember(chosen, blocks)
         return chosen
 

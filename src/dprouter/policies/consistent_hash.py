@@ -38,12 +38,26 @@ def mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def mix_all(x: U64) -> U64:
-    """``mix`` over an array: uint64 arithmetic wraps modulo 2**64, as ``& MASK`` does."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+GOLDEN, M1, M2 = (
+    np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
+S30, S27, S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def mix_all(x: U64, scratch: U64 | None = None) -> U64:
+    """``mix`` over an array, in place (``x`` is overwritten; ``scratch`` is a buffer of its
+    size): uint64 arithmetic wraps modulo 2**64, as ``& MASK`` does."""
+    t = np.empty_like(x) if scratch is None else scratch
+    np.add(x, GOLDEN, out=x)
+    np.right_shift(x, S30, out=t)
+    np.bitwise_xor(x, t, out=x)
+    np.multiply(x, M1, out=x)
+    np.right_shift(x, S27, out=t)
+    np.bitwise_xor(x, t, out=x)
+    np.multiply(x, M2, out=x)
+    np.right_shift(x, S31, out=t)
+    np.bitwise_xor(x, t, out=x)
+    return x
 
 
 class ConsistentHash:
@@ -57,6 +71,7 @@ class ConsistentHash:
         self._seeded: Sequence[Target] | None = None
         self._pairs: list[tuple[int, Target]] = []
         self._vector: U64 | None = None  # the pool's seeds, when it is large
+        self._scratch: tuple[U64, U64] = (np.empty(0, np.uint64), np.empty(0, np.uint64))
 
     def _seed(self, target: Target) -> int:
         seed = self._seeds.get(target.label)
@@ -75,11 +90,17 @@ class ConsistentHash:
                 self._seeded, self._pairs = targets, [(self._seed(t), t) for t in targets]
                 large = len(targets) >= VECTOR
                 self._vector = np.array([s for s, _ in self._pairs], np.uint64) if large else None
+                self._scratch = (
+                    np.empty(len(targets), np.uint64),
+                    np.empty(len(targets), np.uint64),
+                )
             k = hash64(request.key)
             if self._vector is None:
                 found = max(self._pairs, key=lambda p: mix(k ^ p[0]))[1]
             else:  # argmax, like max, takes the first of equal scores
-                found = targets[int(np.argmax(mix_all(self._vector ^ np.uint64(k))))]
+                x, t = self._scratch
+                np.bitwise_xor(self._vector, np.uint64(k), out=x)
+                found = targets[int(mix_all(x, t).argmax())]
             if len(self._chosen) < CACHE:
                 self._chosen[request.key] = found
         return found

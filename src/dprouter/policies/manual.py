@@ -10,10 +10,20 @@ loaded target.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 
-from dprouter.policies.base import PolicyOptions, RequestInfo, least_loaded, make_rng
+import numpy as np
+
+from dprouter.policies.base import (
+    PolicyOptions,
+    Reader,
+    Readers,
+    RequestInfo,
+    first_least,
+    least_loaded,
+    make_rng,
+)
 from dprouter.targets import Target
 
 
@@ -25,15 +35,20 @@ class Manual:
         self.assignment = options.assignment
         self.ttl = options.key_ttl
         self.sticky: OrderedDict[str, tuple[Target, float]] = OrderedDict()  # oldest use first
-        self.group: Counter[str] = Counter()  # keys per target label
         self.start = 0
+        self.readers = Readers()
+        # keys stuck to each target, by board slot; a slot counts for the target that holds
+        # it now (a removed worker's slots are handed on)
+        self.keys_on = np.zeros(0, np.int64)
+        self._owner: dict[int, Target] = {}
+        self._counted: Reader | None = None  # the pool whose slots were last claimed
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self._expire(request.now)
         key = request.key
         if key is None:
             self.start += 1
-            return least_loaded(targets, self.start)
+            return least_loaded(targets, self.start, self.readers.of(targets))
         held = self.sticky.get(key)
         if held is not None and held[0] in targets:
             target = held[0]
@@ -41,22 +56,44 @@ class Manual:
             return self._assign(targets)  # one failed attempt does not move the key for good
         else:
             if held is not None:
-                self.group[held[0].label] -= 1
+                self.count(held[0], -1)
             target = self._assign(targets)
-            self.group[target.label] += 1
+            self.count(target, 1)
         self.sticky[key] = (target, request.now)
         self.sticky.move_to_end(key)
         return target
+
+    def count(self, target: Target, change: int) -> None:
+        """One key more (or fewer) stuck to ``target``."""
+        if self._owner.get(target.slot) is not target:
+            if change < 0:
+                return  # the target is gone and its slot handed on: nothing to take back
+            self._own(target)
+        self.keys_on[target.slot] += change
+
+    def _own(self, target: Target) -> None:
+        if len(self.keys_on) < target.board.slots:
+            grown = np.zeros(target.board.slots, np.int64)
+            grown[: len(self.keys_on)] = self.keys_on
+            self.keys_on = grown
+        self._owner[target.slot] = target
+        self.keys_on[target.slot] = 0
 
     def _assign(self, targets: Sequence[Target]) -> Target:
         if self.assignment == "random":
             return targets[self.rng.randrange(len(targets))]
         self.start += 1
+        reader = self.readers.of(targets)
         if self.assignment == "min_load":
-            return least_loaded(targets, self.start)
-        n = len(targets)
-        order = [targets[(self.start + i) % n] for i in range(n)]
-        return min(order, key=lambda t: self.group[t.label])
+            return least_loaded(targets, self.start, reader)
+        if len(targets) == 1:
+            return targets[0]
+        if reader is not self._counted:  # a pool not seen before: its slots count for it
+            self._counted = reader
+            for t in targets:
+                if self._owner.get(t.slot) is not t:
+                    self._own(t)
+        return targets[first_least(reader.read(self.keys_on), self.start)]
 
     def _expire(self, now: float) -> None:
         sticky = self.sticky
@@ -65,4 +102,4 @@ class Manual:
             if now - seen <= self.ttl:
                 break
             del sticky[key]
-            self.group[target.label] -= 1
+            self.count(target, -1)
