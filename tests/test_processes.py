@@ -247,3 +247,17 @@ async def test_a_breaker_opened_by_failures_in_any_process_holds_in_all(
     await asyncio.sleep(0.2)  # the state reaches both processes
     await asyncio.gather(*(post(sup.url, SHORT) for _ in range(24)))
     assert sum(rec.rank == 1 for rec in received) == before
+
+
+async def test_cache_aware_follows_a_prefix_whichever_process_sent_it_first(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=4), EngineConfig(dp_size=4)])
+    sup = await start_processes(RouterConfig(workers=workers(*cluster.urls), policy="cache_aware"))
+    for n, system in enumerate(("You are a pirate. " * 30, "You are a poet. " * 30)):
+        home = await post(sup.url, {**SHORT, "prompt": system + "first"})
+        assert await until(lambda n=n: sup.control.forwarded > n)  # the other process knows
+        seen = await asyncio.gather(
+            *(post(sup.url, {**SHORT, "prompt": system + f"q{i}"}) for i in range(12))
+        )
+        assert set(seen) == {home}

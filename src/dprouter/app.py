@@ -31,10 +31,12 @@ from dprouter.pd.proxy import PairProxy
 from dprouter.pd.registration import Registration
 from dprouter.placer import Placer
 from dprouter.policies import Policy, make_policy
+from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy import Proxy
 from dprouter.registry import Registry
 from dprouter.relay import error
+from dprouter.targets import Target
 from dprouter.turn import Turn
 
 log = logging.getLogger("dprouter")
@@ -99,6 +101,17 @@ def build_app(
     app.cleanup_ctx.append(_lifecycle)
     app.add_routes(Handlers(parts).routes())
     return app
+
+
+def share_prefixes(follower: Follower, policy: CacheAware) -> None:
+    """Several serving processes: each ``cache_aware`` knows where all of them sent what."""
+    row, channel = follower.row, follower.channel
+
+    def tell(target: Target, blocks: list[int]) -> None:
+        channel.send({"kind": "seen", "row": row, "slot": target.slot, "blocks": blocks})
+
+    policy.tell = tell
+    follower.on_seen = policy.learn
 
 
 def monitor_options(config: RouterConfig) -> MonitorOptions:
@@ -190,6 +203,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         placer = None
         if parts.control is not None and isinstance(parts.policy, Manual):
             placer = Placer(parts.control, parts.policy)
+        if isinstance(parts.monitor, Follower) and isinstance(parts.policy, CacheAware):
+            share_prefixes(parts.monitor, parts.policy)
         parts.proxy = Proxy(
             config, parts.registry, parts.policy, parts.metrics, rules, placer, parts.turn
         )

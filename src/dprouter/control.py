@@ -80,8 +80,9 @@ class ControlPlane:
         self.registration: Registration | None = None
         self.listening: set[int] = set()  # rows of the serving processes that listen
         self.joined = asyncio.Event()  # set when one more starts listening
-        self.version = 0
-        self._changed = asyncio.Event()
+        self.forwarded = 0  # batches of cache_aware's prefixes passed between processes
+        self._followers: dict[int, asyncio.Queue[bytes | None]] = {}  # by row; None: a state
+        self._due: set[int] = set()  # rows with a state queued already
         registry.listeners.append(self.changed)
         self.app = web.Application(client_max_size=config.max_body)
         self.app.add_routes(
@@ -95,9 +96,11 @@ class ControlPlane:
         self._runner: web.AppRunner | None = None
 
     def changed(self) -> None:
-        self.version += 1
-        event, self._changed = self._changed, asyncio.Event()
-        event.set()
+        """Every follower gets the new state (once, however many changes came meanwhile)."""
+        for row, queue in self._followers.items():
+            if row not in self._due:
+                self._due.add(row)
+                queue.put_nowait(None)
 
     async def start(self, path: str) -> None:
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=0.5)
@@ -122,19 +125,35 @@ class ControlPlane:
             await self._runner.cleanup()
 
     async def state(self, request: web.Request) -> web.StreamResponse:
-        """A state now, then one after every change, for as long as the follower reads."""
+        """A state now, then one after every change, for as long as the follower reads;
+        between them, what the other processes' ``cache_aware`` sent where."""
+        row = int(request.query["row"])
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._followers[row] = queue
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
-        while True:
-            waiting = self._changed
+        try:
             await response.write(encode(self.registry, self.breakers))
-            await waiting.wait()
+            while True:
+                line = await queue.get()
+                if line is None:
+                    self._due.discard(row)
+                    line = encode(self.registry, self.breakers)
+                await response.write(line)
+        finally:
+            if self._followers.get(row) is queue:
+                del self._followers[row]
+                self._due.discard(row)
 
     async def events(self, request: web.Request) -> web.Response:
         by_slot = {t.slot: t for t in self.registry.targets()}
         failed = False
+        seen: list[list[Any]] = []
         for event in orjson.loads(await request.read()):
             kind = event["kind"]
+            if kind == "seen":
+                seen.append([event["row"], event["slot"], event["blocks"]])
+                continue
             if kind == "listening":
                 self.listening.add(int(event["row"]))
                 self.joined.set()
@@ -156,7 +175,19 @@ class ControlPlane:
                 self.breakers.rest(target, float(event["seconds"]))
         if failed:
             self.changed()  # followers learn which targets are failing: a success resets them
+        if seen:
+            self._forward(seen)
         return web.json_response({})
+
+    def _forward(self, seen: list[list[Any]]) -> None:
+        """To every other serving process: where prompts went, so that each process's
+        ``cache_aware`` knows what all of them sent (a batch comes from one process)."""
+        row = seen[0][0]
+        line = orjson.dumps({"seen": [[slot, blocks] for _, slot, blocks in seen]}) + b"\n"
+        for other, queue in self._followers.items():
+            if other != row:
+                queue.put_nowait(line)
+        self.forwarded += 1
 
     async def place(self, request: web.Request) -> web.Response:
         """Where a routing key goes: where it went before, or placed now, over the

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -89,11 +90,15 @@ def apply(registry: Registry, state: dict[str, Any]) -> None:
 class Follower(Monitor):
     """Discovery, scraping and health checks happen in the parent; this follows."""
 
-    def __init__(self, registry: Registry, channel: Channel) -> None:
+    def __init__(self, registry: Registry, channel: Channel, row: int) -> None:
         super().__init__(registry)
         self.channel = channel
+        self.row = row
         self.failing: set[int] = set()  # slots the parent counts failures for
+        # another process's cache_aware sent these blocks to this target
+        self.on_seen: Callable[[Target, list[int]], None] | None = None
         self._follow: asyncio.Task[None] | None = None
+        self._slots: tuple[int, dict[int, Target]] = (-1, {})  # by snapshot version
 
     async def start(self) -> None:
         first = asyncio.get_running_loop().create_future()
@@ -114,9 +119,13 @@ class Follower(Monitor):
 
     async def _read(self, first: asyncio.Future[None]) -> None:
         try:
-            async with self.channel.session.get(BASE + "/control/state") as r:
+            url = f"{BASE}/control/state?row={self.row}"
+            async with self.channel.session.get(url) as r:
                 async for line in r.content:
                     state = orjson.loads(line)
+                    if "seen" in state:
+                        self._seen(state["seen"])
+                        continue
                     apply(self.registry, state)
                     self.failing = {t[1] for w in state["workers"] for t in w["targets"] if t[3]}
                     self.changed.set()
@@ -129,6 +138,18 @@ class Follower(Monitor):
         # the parent is gone: a serving process does not outlive its control plane
         log.error("control plane gone: stopping this serving process")
         os.kill(os.getpid(), signal.SIGTERM)
+
+    def _seen(self, seen: list[list[Any]]) -> None:
+        if self.on_seen is None:
+            return
+        snapshot = self.registry.snapshot
+        if self._slots[0] != snapshot.version:
+            self._slots = (snapshot.version, {t.slot: t for t in snapshot.pool()})
+        by_slot = self._slots[1]
+        for slot, blocks in seen:
+            target = by_slot.get(slot)
+            if target is not None:
+                self.on_seen(target, blocks)
 
 
 class SharedBreakers(Breakers):

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -78,6 +79,7 @@ class Supervisor:
         self.gave_up = asyncio.Event()  # they kept dying at start-up: the router cannot serve
         self._gone = asyncio.Event()  # stopping, and every serving process has ended
         self._quick_deaths = 0
+        self._hash_seed = str(secrets.randbelow(1 << 32))
 
     @property
     def url(self) -> str:
@@ -117,7 +119,17 @@ class Supervisor:
         from dprouter.serving import main
 
         child = SPAWN.Process(target=main, args=(seat,), name=f"dprouter-{row}", daemon=False)
-        child.start()
+        # one string hash seed for all serving processes, secret from clients: cache_aware's
+        # prefix blocks are string hashes, and processes tell each other about them
+        before = os.environ.get("PYTHONHASHSEED")
+        os.environ["PYTHONHASHSEED"] = self._hash_seed
+        try:
+            child.start()
+        finally:
+            if before is None:
+                del os.environ["PYTHONHASHSEED"]
+            else:
+                os.environ["PYTHONHASHSEED"] = before
         self.children[row] = child
         loop = asyncio.get_running_loop()
         started = loop.time()

@@ -54,7 +54,7 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
     router = Router(
         seat.config,
         registry=registry,
-        monitor=Follower(registry, channel),
+        monitor=Follower(registry, channel, seat.row),
         control=channel,
         metrics_dir=seat.metrics,
         turn=board.turn,

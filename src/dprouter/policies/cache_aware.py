@@ -12,7 +12,7 @@ its load -- affinity yields to the least loaded target.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dprouter.policies.base import LOAD, PolicyOptions, Readers, RequestInfo, first_least
 from dprouter.targets import Target
@@ -43,6 +43,8 @@ class CacheAware:
         self._by_label: dict[str, Target] = {}
         self.start = 0
         self.readers = Readers()
+        # several serving processes: each decision is told to the others, which ``learn`` it
+        self.tell: Callable[[Target, list[int]], None] | None = None
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
@@ -57,7 +59,13 @@ class CacheAware:
                 match = self._best_match(targets, blocks)
             chosen = match or targets[first_least(loads, self.start)]
         self._remember(chosen, blocks)
+        if self.tell is not None:
+            self.tell(chosen, blocks)
         return chosen
+
+    def learn(self, target: Target, blocks: list[int]) -> None:
+        """Another serving process sent a prompt of these blocks to ``target``."""
+        self._remember(target, blocks)
 
     def _best_match(self, targets: Sequence[Target], blocks: list[int]) -> Target | None:
         """The least loaded of the targets holding the longest run of leading blocks."""
