@@ -141,8 +141,11 @@ def summary(o: Outcome, cpu: float) -> dict[str, float]:
 
 
 def run(quick: bool, out: Path) -> Result:
+    from dprouter.bench import cores  # it imports this module's helpers
+
     kinds = ["direct", "dprouter", BARE, *peers.available()]
     found = asyncio.run(measure(kinds, 1.0 if quick else 12.0, 1 if quick else ROUNDS))
+    every = asyncio.run(cores.measure(2.0 if quick else 12.0, 1 if quick else ROUNDS))
     rows: list[list[Cell]] = []
     for kind, loads in found.items():
         for name, _, _ in LOADS:
@@ -185,6 +188,7 @@ def run(quick: bool, out: Path) -> Result:
         checks["dprouter p99 at 512 connections no worse than the gateway's"] = (
             ours[wide]["p99_ms"] <= gateway[wide]["p99_ms"]
         )
+    checks |= cores.checks(every)
     plain_cpu = ours[LOADS[0][0]]["cpu_ms_per_req"]
     bare_cpu = found[BARE][LOADS[0][0]]["cpu_ms_per_req"]
     return Result(
@@ -197,7 +201,8 @@ def run(quick: bool, out: Path) -> Result:
             f"{1 if quick else ROUNDS} interleaved round(s) (router after router, then again), "
             "pooled; added p50 (p99) = router p50 (p99) - direct p50 (p99); CPU from /proc "
             "(process tree) per answered request (ms per request = CPU seconds per 1k "
-            "requests); peak RSS = VmHWM. Every request checked for status 200."
+            "requests); peak RSS = VmHWM. Every request checked for status 200. "
+            + (cores.__doc__ or "").split("\n\n", 1)[1].replace("\n", " ")
         ),
         tables=[
             Table(
@@ -215,7 +220,9 @@ def run(quick: bool, out: Path) -> Result:
                     "peak RSS MB",
                 ],
                 rows,
-            )
+                "one core for the router (pinned)",
+            ),
+            cores.table(every),
         ],
         verdict=(
             f"dprouter spends {plain_cpu:.2f} ms of CPU per plain request on one core"
@@ -230,5 +237,5 @@ def run(quick: bool, out: Path) -> Result:
         ),
         checks=checks,
         plots=["overhead.png"],
-        data=found,
+        data={**found, "every_core": every},
     )

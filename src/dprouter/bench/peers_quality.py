@@ -51,11 +51,14 @@ class Run:
     args: tuple[str, ...]
 
 
+TWO = ("--processes", "2")
 ROLLOUT_RUNS = (
     Run("dprouter, not DP-aware (manual)", "dprouter", ("--dp-aware", "off", "--sessions")),
     Run("dprouter, manual + min_load", "dprouter", ("--sessions",)),
     Run("dprouter, min_tokens", "dprouter", ("--policy", "min_tokens")),
     Run("dprouter, least_load", "dprouter", ("--policy", "least_load")),
+    Run("dprouter, min_tokens, --processes 2", "dprouter", ("--policy", "min_tokens", *TWO)),
+    Run("dprouter, least_load, --processes 2", "dprouter", ("--policy", "least_load", *TWO)),
     Run("SGLang gateway --dp-aware, manual", "sglang-gateway", ("manual", "dp-aware")),
     Run("SGLang gateway, manual (not DP-aware)", "sglang-gateway", ("manual",)),
     Run("vllm-router DP4, consistent_hash", "vllm-router", ("consistent_hash",)),
@@ -127,6 +130,7 @@ async def sessions(
 QUICK = {
     "dprouter, not DP-aware (manual)",
     "dprouter, least_load",
+    "dprouter, least_load, --processes 2",
     "dprouter, cache_aware",
     "SGLang gateway --dp-aware, manual",
     "SGLang gateway --dp-aware, cache_aware",
@@ -274,6 +278,14 @@ def run(quick: bool, out: Path) -> Result:
         "DP attention rollouts: mean forward step behind each router",
         "ms",
     )
+    checks = {}
+    for one in ("dprouter, min_tokens", "dprouter, least_load"):
+        two = rollouts.get(f"{one}, --processes 2", {})
+        if "rank_max_over_mean" in two and "rank_max_over_mean" in rollouts.get(one, {}):
+            ratio = two["rank_max_over_mean"] / rollouts[one]["rank_max_over_mean"]
+            checks[f"{one}: busiest/mean with --processes 2 within 5 % of 1 process"] = (
+                abs(ratio - 1) <= 0.05
+            )
     return Result(
         scenario="peers",
         title="4. Peers: the same simulated cluster behind each router",
@@ -312,6 +324,7 @@ def run(quick: bool, out: Path) -> Result:
             ),
         ],
         verdict=verdict(missing, failed),
+        checks=checks,
         plots=["peers.png"],
         data={"rollouts": rollouts, "chat": chats},
     )

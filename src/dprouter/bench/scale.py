@@ -8,6 +8,7 @@ x DP16) under a steady chat-like load, each policy driving it.
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
@@ -23,6 +24,8 @@ from dprouter.sim.offline import Arrival, OfflineSim
 from dprouter.targets import Target, Worker
 
 SIZES = (64, 256, 1024, 4096)
+BEFORE = Path(__file__).parents[3] / "bench" / "baselines" / "scale-before.json"
+LIMITS = {64: 5.0, 4096: 20.0}  # us per decision the policies are held to
 QUALITY = ("round_robin", "least_load", "power_of_two", "cache_aware")
 
 
@@ -99,7 +102,21 @@ def run(quick: bool, out: Path) -> Result:
         "us per decision (CPU)",
         logx=True,
     )
-    rows: list[list[Cell]] = [[p, *cost[p]] for p in POLICIES]
+    before = json.loads(BEFORE.read_text()) if BEFORE.exists() else None
+    old = before["decision_us"] if before else {}
+    rows: list[list[Cell]] = [
+        [p, *cost[p], *(old.get(p, [None] * len(SIZES))[: len(sizes)] if before else [])]
+        for p in POLICIES
+    ]
+    columns = ["policy", *(f"us @ {n}" for n in sizes)]
+    if before:
+        columns += [f"before @ {n}" for n in sizes]
+    checks = {
+        f"{p} decides in under {limit:g} us at {n} targets": cost[p][sizes.index(n)] < limit
+        for p in POLICIES
+        for n, limit in LIMITS.items()
+        if n in sizes
+    }
     found: dict[str, dict[str, float]] = {}
     for ranks in (1024,) if quick else (1024, 4096):
         for p in QUALITY:
@@ -120,13 +137,19 @@ def run(quick: bool, out: Path) -> Result:
             "requests / mean."
         ),
         tables=[
-            Table(["policy", *(f"us @ {n}" for n in sizes)], rows, "decision cost (CPU us)"),
+            Table(
+                columns,
+                rows,
+                "decision cost (CPU us)"
+                + (f"; before: {before['run']['when']}, {before['note']}" if before else ""),
+            ),
             Table(["policy @ ranks", "imbalance", "TTFT p99 ms"], quality_rows, "routing quality"),
         ],
         verdict=(
             f"round_robin decides in {widest:.1f} us at {sizes[-1]} targets; the costliest, "
             f"{slowest}, takes {cost[slowest][-1]:.0f} us there."
         ),
+        checks=checks,
         plots=["scale.png"],
         data={"decision_us": cost, "quality": found},
     )
