@@ -254,10 +254,15 @@ async def test_cache_aware_follows_a_prefix_whichever_process_sent_it_first(
 ) -> None:
     cluster = await start_cluster([EngineConfig(dp_size=4), EngineConfig(dp_size=4)])
     sup = await start_processes(RouterConfig(workers=workers(*cluster.urls), policy="cache_aware"))
+    control = sup.control
+
+    def told_after(before: int) -> Callable[[], bool]:
+        return lambda: control.forwarded > before
+
     for system in ("You are a pirate. " * 30, "You are a poet. " * 30):
-        told = sup.control.forwarded
+        told = told_after(control.forwarded)
         home = await post(sup.url, {**SHORT, "prompt": system + "first"})
-        assert await until(lambda: sup.control.forwarded > told)  # the other process knows
+        assert await until(told)  # the other process knows
         seen = await asyncio.gather(
             *(post(sup.url, {**SHORT, "prompt": system + f"q{i}"}) for i in range(12))
         )
