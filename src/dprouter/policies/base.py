@@ -115,11 +115,11 @@ def first_least(values: Values, start: int) -> int:
             return values.index(least, r)
         except ValueError:
             return values.index(least)
-    if not r:
-        return int(values.argmin())
+    first = int(values.argmin())  # the first least overall: the answer unless before r
+    if first >= r:
+        return first
     i = int(values[r:].argmin()) + r
-    j = int(values[:r].argmin())
-    return i if values[i] <= values[j] else j
+    return i if values[i] == values[first] else first
 
 
 def least_loaded(targets: Sequence[Target], start: int = 0, reader: Reader | None = None) -> Target:
