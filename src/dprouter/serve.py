@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from dprouter import gctune
 from dprouter.app import Router
 from dprouter.config import (
     PD_MODES,
@@ -373,6 +374,7 @@ async def run(config: RouterConfig) -> None:
             raise click.ClickException(f"refusing to start with misconfigured workers: {names}")
         snapshot = router.registry.snapshot
         targets = sum(len(snapshot.pool(role)) for role in ROLES)
+        gctune.tune()  # what lives as long as the router is in place now
         log.info(
             "dprouter on %s: policy %s, %d target(s), %d serving process(es)",
             router.url,

@@ -38,6 +38,7 @@ def main(seat: Seat) -> None:
 
 
 async def serve(seat: Seat, memory: SharedMemory) -> Board:
+    from dprouter import gctune
     from dprouter.app import Router
     from dprouter.board import Board
     from dprouter.follower import Channel, Follower
@@ -61,6 +62,7 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
     )
     try:
         await router.start()
+        gctune.tune()
         channel.send({"kind": "listening", "row": seat.row})
         await stop.wait()
         log.info("serving process %d stopping", seat.row)
