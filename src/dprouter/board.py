@@ -96,13 +96,19 @@ class Board:
 
     # -- writing --------------------------------------------------------------------
 
-    def add(self, slot: int, requests: int, tokens: int) -> None:
+    def add(self, slot: int, requests: int, tokens: int, also: int = -1) -> None:
+        """Count ``requests`` and ``tokens`` on ``slot`` (and on ``also``: a target's
+        worker, in the same step)."""
         turn = self.turn
         if turn is None or turn.held:
             self._add(slot, requests, tokens)
+            if also >= 0:
+                self._add(also, requests, tokens)
         else:
             with turn:
                 self._add(slot, requests, tokens)
+                if also >= 0:
+                    self._add(also, requests, tokens)
 
     def _add(self, slot: int, requests: int, tokens: int) -> None:
         c = self.cells

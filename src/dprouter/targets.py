@@ -161,8 +161,7 @@ class Outstanding:
 
     def claim(self) -> Outstanding:
         t = self.target
-        t.board.add(t.slot, 1, self.tokens)
-        t.board.add(t.worker.slot, 1, self.tokens)
+        t.board.add(t.slot, 1, self.tokens, t.worker.slot)
         self.claimed = True
         return self
 
@@ -173,6 +172,5 @@ class Outstanding:
 
     def __exit__(self, *exc: object) -> None:
         t = self.target
-        t.board.add(t.slot, -1, -self.tokens)
-        t.board.add(t.worker.slot, -1, -self.tokens)
+        t.board.add(t.slot, -1, -self.tokens, t.worker.slot)
         self.claimed = False
