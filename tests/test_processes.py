@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dprouter.config import RouterConfig
+from dprouter.config import RouterConfig, WorkerSpec
 from dprouter.processes import Supervisor
-from dprouter.sim.config import EngineConfig, Faults
+from dprouter.sim.config import EngineConfig, Faults, PdConfig, PdMode
 from tests.conftest import StartCluster, metric_sum, until, workers
 
 StartProcesses = Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]]
@@ -267,3 +267,28 @@ async def test_cache_aware_follows_a_prefix_whichever_process_sent_it_first(
             *(post(sup.url, {**SHORT, "prompt": system + f"q{i}"}) for i in range(12))
         )
         assert set(seen) == {home}
+
+
+@pytest.mark.parametrize("mode", ["vllm-nixl", "sglang"])
+async def test_pd_flows_run_through_both_processes(
+    start_cluster: StartCluster, start_processes: StartProcesses, mode: PdMode
+) -> None:
+    roles = [PdConfig(mode=mode, role=role, kv_wait=2.0) for role in ("prefill", "decode")]
+    cluster = await start_cluster(
+        [EngineConfig(persona=pd.persona, dp_size=2, pd=pd) for pd in roles]
+    )
+    prefill, decode = cluster.servers
+    specs = (WorkerSpec(prefill.url, role="prefill"), WorkerSpec(decode.url, role="decode"))
+    sup = await start_processes(RouterConfig(pd=mode, workers=specs))
+
+    async def pair(i: int) -> tuple[str, str]:
+        body = {**SHORT, "stream": i % 2 == 1}
+        async with fresh() as s, s.post(sup.url + "/v1/completions", json=body) as r:
+            text = await r.text()
+            assert r.status == 200 and "error" not in text, text
+            return r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]
+
+    pairs = await asyncio.gather(*(pair(i) for i in range(16)))
+    assert {p for p, _ in pairs} == {"p0/0", "p0/1"} and {d for _, d in pairs} == {"d0/0", "d0/1"}
+    assert len(decode.received) == 16
+    assert await until(lambda: in_flight(sup) == 0)

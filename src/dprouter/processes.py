@@ -107,7 +107,10 @@ class Supervisor:
 
     def _spawn(self, row: int) -> None:
         seat = Seat(
-            config=replace(self.config, port=self.port, processes=1),
+            # each process draws its own random numbers (seed + row): two drawing the same
+            # would pick the same targets in step and, in SGLang P/D, the same bootstrap
+            # rooms -- one request's KV consumed by another's
+            config=replace(self.config, port=self.port, processes=1, seed=self.config.seed + row),
             row=row,
             rows=self.rows,
             board=self._memory.name,
