@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 
 import aiohttp
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -198,8 +199,12 @@ async def test_the_engine_killed_mid_run_then_restarted(
             async with http.post(
                 router.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)
             ) as r:
-                await r.read()
-                outcomes[f"http_{r.status}"] += 1
+                raw = await r.read()
+                outcome = f"http_{r.status}"
+                if r.status == 200:  # finished before the kill: it must be whole
+                    done = orjson.loads(raw)["usage"]["completion_tokens"] == body["max_tokens"]
+                    outcome += "_whole" if done else "_cut"
+                outcomes[outcome] += 1
         except aiohttp.ClientError as exc:
             outcomes[type(exc).__name__] += 1
 
@@ -222,6 +227,8 @@ async def test_the_engine_killed_mid_run_then_restarted(
         f"engine killed with 8 in flight: client outcomes {dict(outcomes)}; "
         f"after restart: {dict(Counter(served))}"
     )
-    assert set(outcomes) <= {"http_502", "http_503"}  # a clear error, each of them
+    # each client got a clear error, or -- when the engine finished its request before the
+    # kill landed (this tiny model can decode 1000 tokens that fast) -- the whole answer
+    assert set(outcomes) <= {"http_502", "http_503", "http_200_whole"}
     assert sum(outcomes.values()) == 12
     assert Counter(served) == {"w0/0": 2, "w0/1": 2}  # traffic resumes on both ranks
