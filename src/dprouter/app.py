@@ -298,12 +298,7 @@ class Router:
 
     async def settled(self, seconds: float) -> bool:
         """Wait for discovery of every worker; False if some are still discovering."""
-        try:
-            async with asyncio.timeout(seconds):
-                await self.monitor.settled()
-        except TimeoutError:
-            return False
-        return True
+        return await self.monitor.settled_within(seconds)
 
     async def __aenter__(self) -> Router:
         await self.start()

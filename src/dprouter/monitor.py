@@ -98,6 +98,15 @@ class Monitor:
                 return
             await self.changed.wait()
 
+    async def settled_within(self, seconds: float) -> bool:
+        """``settled`` for at most ``seconds``; False if some worker is still discovering."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self.settled()
+        except TimeoutError:
+            return False
+        return True
+
     async def _discover(self, worker: Worker) -> None:
         delay = self.options.retry_min
         while True:

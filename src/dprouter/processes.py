@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import tempfile
 from dataclasses import dataclass, replace
 from multiprocessing.shared_memory import SharedMemory
@@ -73,6 +74,7 @@ class Supervisor:
         self.control = ControlPlane(config, self.registry, self.monitor, self.breakers)
         self._dir = tempfile.mkdtemp(prefix="dprouter-")
         self.port = config.port
+        self._held: socket.socket | None = None  # the port, held while the processes serve
         self.children: dict[int, multiprocessing.process.BaseProcess] = {}
         self.stopping = False
         self.replaced = 0  # serving processes replaced after they died
@@ -184,7 +186,7 @@ class Supervisor:
                 os.kill(child.pid, signal.SIGKILL)
             child.join(1.0)
         await self.control.stop()
-        if hasattr(self, "_held"):
+        if self._held is not None:
             self._held.close()
         self.board.close()
         self._memory.close()
@@ -192,12 +194,7 @@ class Supervisor:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     async def settled(self, seconds: float) -> bool:
-        try:
-            async with asyncio.timeout(seconds):
-                await self.monitor.settled()
-        except TimeoutError:
-            return False
-        return True
+        return await self.monitor.settled_within(seconds)
 
     async def __aenter__(self) -> Supervisor:
         await self.start()

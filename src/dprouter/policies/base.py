@@ -122,12 +122,10 @@ def first_least(values: Values, start: int) -> int:
     return i if values[i] == values[first] else first
 
 
-def least_loaded(targets: Sequence[Target], start: int = 0, reader: Reader | None = None) -> Target:
+def least_loaded(targets: Sequence[Target], start: int, reader: Reader) -> Target:
     """Fewest outstanding; ties go to the first from ``start`` (callers rotate it)."""
     if len(targets) == 1:
         return targets[0]
-    if reader is None:
-        return min(rotated(targets, start), key=LOAD)
     return targets[first_least(reader.loads(), start)]
 
 
