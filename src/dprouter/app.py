@@ -247,6 +247,7 @@ class Router:
         self.port = self.config.port
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
+        self._fd = -1  # the listening socket's
 
     @property
     def url(self) -> str:
@@ -269,6 +270,7 @@ class Router:
         shared = self.parts.control is not None
         sock = bind(self.config.host, self.port, self.config.backlog, reuse_port=shared)
         self.port = sock.getsockname()[1]
+        self._fd = sock.fileno()
         # a client that leaves cancels its handler, which closes the upstream request;
         # stopping closes the listener first, then gives in-flight requests the grace period
         # (``Drain``); aiohttp's own shutdown then finds them done
@@ -283,12 +285,17 @@ class Router:
         """Stop listening; requests in flight get ``config.grace`` seconds, then are cut
         (``parts.drain.cut`` counts them)."""
         if self._site is not None:
-            # Close the listener, then let the handlers of connections accepted just before
-            # start: aiohttp's shutdown closes idle connections, but one whose handler has not
-            # begun waiting misses that close, drops its request and hangs until the grace
-            # period ends.
+            # Stop accepting first, and let the connections just accepted get their transport
+            # before the listener closes: asyncio sets a connection up in a task one loop turn
+            # after accept(), and that task fails if the server has closed meanwhile, leaving
+            # the socket open with nobody reading it (the client hangs until its timeout).
+            asyncio.get_running_loop().remove_reader(self._fd)
+            for _ in range(3):
+                await asyncio.sleep(0)
             await self._site.stop()
             self._site = None
+            # then let the handlers of those connections start: aiohttp's shutdown closes idle
+            # connections, but one whose handler has not begun waiting misses that close
             for _ in range(3):
                 await asyncio.sleep(0)
         if self._runner is not None:
