@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from dprouter.policies.base import LOAD, PolicyOptions, Readers, RequestInfo, first_least
+from dprouter.policies.base import PolicyOptions, Readers, RequestInfo, first_least
 from dprouter.targets import Target
 
 BLOCK = 64  # characters per block
@@ -41,6 +41,7 @@ class CacheAware:
         self.owners: dict[int, set[str]] = {}  # block -> targets holding it (an inverted index)
         self._pool: Sequence[Target] | None = None
         self._by_label: dict[str, Target] = {}
+        self._slots: dict[str, int] = {}  # the pool's targets' board slots, by label
         self.start = 0
         self.readers = Readers()
         # several serving processes: each decision is told to the others, which ``learn`` it
@@ -71,6 +72,7 @@ class CacheAware:
         """The least loaded of the targets holding the longest run of leading blocks."""
         if targets is not self._pool:
             self._pool, self._by_label = targets, {t.label: t for t in targets}
+            self._slots = {t.label: t.slot for t in targets}
         holders: set[str] | None = None
         depth = 0
         for h in blocks:
@@ -83,14 +85,18 @@ class CacheAware:
             holders, depth = narrower, depth + 1
         if holders is None or depth < self.threshold * len(blocks):
             return None
-        return min((self._by_label[label] for label in sorted(holders)), key=LOAD)
+        # the least loaded holder; equal loads: the first label in order
+        cells, slots = targets[0].board.load_cells, self._slots
+        return self._by_label[min(holders, key=lambda label: (cells[slots[label]], label))]
 
     def _remember(self, target: Target, blocks: list[int]) -> None:
         seen = self.seen.setdefault(target.label, OrderedDict())
         for h in blocks:
-            seen[h] = None
-            seen.move_to_end(h)
-            self.owners.setdefault(h, set()).add(target.label)
+            if h in seen:  # held already, so listed among the block's owners
+                seen.move_to_end(h)
+            else:
+                seen[h] = None
+                self.owners.setdefault(h, set()).add(target.label)
         while len(seen) > CAPACITY:
             old, _ = seen.popitem(last=False)
             holders = self.owners[old]

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
-from dprouter.policies.base import PolicyOptions, Readers, RequestInfo, first_least
+from dprouter.policies.base import PolicyOptions, Readers, RequestInfo
 from dprouter.targets import Target
 
-SMALL = 128  # pools below this are scanned as lists (measured)
-NONE = 1 << 62  # not a candidate
+FEW = 16  # ties up to this many are broken in Python (measured)
 
 
 class MinTokens:
@@ -32,20 +29,21 @@ class MinTokens:
             return targets[0]
         reader = self.readers.of(targets)
         own = reader.tokens()
-        if len(targets) < SMALL:  # Python's list min and index beat numpy's per-call cost
-            listed: list[int] = own.tolist()
-            least = min(listed)
-            if listed.count(least) == 1:
-                return targets[listed.index(least)]
-            engine: list[int] = reader.engine_tokens().tolist()
-            keys = [e if o == least else NONE for o, e in zip(listed, engine, strict=True)]
-            return targets[first_least(keys, self.start)]
-        ties = np.flatnonzero(own == own.min())
-        if len(ties) == 1:
-            return targets[int(ties[0])]
-        # among the targets with the fewest tokens, those of the engine with the fewest,
+        first = int(own.argmin())
+        found = (own == own[first]).nonzero()[0]
+        if len(found) == 1:
+            return targets[first]
+        # among the targets with the fewest tokens, those of the engine with the fewest:
         # the first at or after the rotating start
-        tied = reader.engine_tokens(ties)
-        among = ties[tied == tied.min()]
-        after = int(np.searchsorted(among, self.start % len(targets)))
-        return targets[int(among[after] if after < len(among) else among[0])]
+        r = self.start % len(targets)
+        if len(found) < FEW:  # a few ties: Python beats numpy's per-call cost
+            cells, slots = reader.board.tokens_cells, reader.worker_slots
+            ties: list[int] = found.tolist()
+            engine = [cells[slots[i]] for i in ties]
+            fewest = min(engine)
+            among = [i for i, e in zip(ties, engine, strict=True) if e == fewest]
+            return targets[next((i for i in among if i >= r), among[0])]
+        tied = reader.engine_tokens(found)
+        picked = found[tied == tied[tied.argmin()]]
+        after = int(picked.searchsorted(r))
+        return targets[int(picked[after] if after < len(picked) else picked[0])]
