@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import pytest
@@ -291,4 +291,97 @@ async def test_pd_flows_run_through_both_processes(
     pairs = await asyncio.gather(*(pair(i) for i in range(16)))
     assert {p for p, _ in pairs} == {"p0/0", "p0/1"} and {d for _, d in pairs} == {"d0/0", "d0/1"}
     assert len(decode.received) == 16
+    assert await until(lambda: in_flight(sup) == 0)
+
+
+async def test_pd_pairs_are_counted_with_the_decision_so_decodes_spread_exactly(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    """16 long P/D streams over 4 decode ranks, from both processes: 4 on each, because the
+    pair and both legs' counts are one step for all processes."""
+    roles = [PdConfig(mode="vllm-nixl", role=role) for role in ("prefill", "decode")]
+    cluster = await start_cluster(
+        [EngineConfig(persona=pd.persona, dp_size=4, pd=pd) for pd in roles]
+    )
+    prefill, decode = cluster.servers
+    specs = (WorkerSpec(prefill.url, role="prefill"), WorkerSpec(decode.url, role="decode"))
+    sup = await start_processes(RouterConfig(pd="vllm-nixl", workers=specs, policy="least_load"))
+    opened: list[int] = []
+    tasks = [asyncio.create_task(hold_stream(sup.url, opened)) for _ in range(16)]
+    try:
+        assert await until(lambda: len(opened) == 16, seconds=20)
+        ranks = Counter(rec.rank for rec in decode.received)
+        assert set(ranks.values()) == {4} and len(ranks) == 4, ranks
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert await until(lambda: in_flight(sup) == 0, seconds=10)
+
+
+@pytest.mark.parametrize("assignment", ["random", "min_group"])
+async def test_pd_a_key_on_20_connections_always_reaches_one_pair(
+    start_cluster: StartCluster, start_processes: StartProcesses, assignment: str
+) -> None:
+    roles = [PdConfig(mode="vllm-nixl", role=role) for role in ("prefill", "decode")]
+    cluster = await start_cluster(
+        [EngineConfig(persona=pd.persona, dp_size=4, pd=pd) for pd in roles]
+    )
+    prefill, decode = cluster.servers
+    specs = (WorkerSpec(prefill.url, role="prefill"), WorkerSpec(decode.url, role="decode"))
+    config = RouterConfig(pd="vllm-nixl", workers=specs, policy="manual", assignment=assignment)
+    sup = await start_processes(config)
+
+    async def pair(key: str) -> tuple[str, str]:
+        async with (
+            fresh() as s,
+            s.post(sup.url + "/v1/completions", json=SHORT, headers={"X-Session-ID": key}) as r,
+        ):
+            assert r.status == 200, await r.text()
+            return r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]
+
+    for key in ("alice", "bob", "carol"):
+        seen = await asyncio.gather(*(pair(key) for _ in range(20)))
+        assert len(set(seen)) == 1, Counter(seen)
+
+
+@pytest.mark.parametrize("transfer", ["READ", "WRITE"])
+async def test_moriio_engines_register_once_and_both_processes_route_to_them(
+    start_cluster: StartCluster, start_processes: StartProcesses, transfer: Literal["READ", "WRITE"]
+) -> None:
+    sup = await start_processes(RouterConfig(pd="vllm-moriio", registration="tcp://127.0.0.1:0"))
+    assert sup.control.registration is not None  # in the parent, once
+    address = sup.control.registration.address
+    roles = [
+        PdConfig(
+            mode="vllm-moriio",
+            role=role,
+            transfer_mode=transfer,
+            heartbeat=0.05,
+            registration=address,
+            kv_wait=2.0,
+        )
+        for role in ("prefill", "decode")
+    ]
+    cluster = await start_cluster(
+        [EngineConfig(persona=pd.persona, dp_size=2, pd=pd) for pd in roles]
+    )
+    assert await until(lambda: len(sup.registry.snapshot.workers) == 2, seconds=10)
+    await asyncio.sleep(0.3)  # the membership reaches both processes
+    pids = [c.pid for c in sup.children.values() if c.pid is not None]
+    decode_port = int(cluster.servers[1].url.rsplit(":", 1)[1])
+
+    async def pair(i: int) -> tuple[str, str]:
+        body = {**SHORT, "stream": i % 2 == 1}
+        async with fresh() as s, s.post(sup.url + "/v1/completions", json=body) as r:
+            text = await r.text()
+            assert r.status == 200 and "error" not in text, text
+            return r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]
+
+    for _ in range(5):
+        pairs = await asyncio.gather(*(pair(i) for i in range(16)))
+        assert len({p for p, _ in pairs}) == 2 and len({d for _, d in pairs}) == 2, pairs
+        if upstream_owners(pids, decode_port) == set(pids):
+            break
+    assert upstream_owners(pids, decode_port) == set(pids)  # both processes routed
     assert await until(lambda: in_flight(sup) == 0)

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from dprouter.admin import worker_from_spec
 from dprouter.admission import Admission, AdmissionOptions
-from dprouter.attempts import Rules
+from dprouter.attempts import Rules, Side
 from dprouter.breaker import BreakerOptions, Breakers
 from dprouter.config import RouterConfig, validate
 from dprouter.drain import Drain
@@ -191,13 +191,24 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         seed=config.seed,
     )
     if config.pd is not None:
+        policies: dict[Side, Policy] = {
+            side: make_policy(config.role_policy(side), config.policy_options())
+            for side in ("prefill", "decode")
+        }
+        placers = {
+            side: Placer(parts.control, policy, side)
+            for side, policy in policies.items()
+            if parts.control is not None and isinstance(policy, Manual)
+        }
         parts.proxy = PairProxy(
             config,
             parts.registry,
-            make_policy(config.role_policy("prefill"), config.policy_options()),
-            make_policy(config.role_policy("decode"), config.policy_options()),
+            policies["prefill"],
+            policies["decode"],
             parts.metrics,
             rules,
+            placers,
+            parts.turn,
         )
     else:
         placer = None

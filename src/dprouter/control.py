@@ -75,8 +75,9 @@ class ControlPlane:
         self.registry = registry
         self.monitor = monitor
         self.breakers = breakers
-        # manual's key table lives here, so a key sticks whichever process serves it
-        self.sessions = Manual(config.policy_options())
+        # manual's key tables live here (one per role), so a key sticks whichever process
+        # serves it
+        self.sessions: dict[str, Manual] = {}
         self.registration: Registration | None = None
         self.listening: set[int] = set()  # rows of the serving processes that listen
         self.joined = asyncio.Event()  # set when one more starts listening
@@ -198,5 +199,11 @@ class ControlPlane:
         if not candidates:
             return error(409, "none of those targets is known")
         now = asyncio.get_running_loop().time()
-        target = self.sessions.select(candidates, RequestInfo(key=asked["key"], now=now))
+        role = asked.get("role", "regular")
+        if role not in ("regular", "prefill", "decode"):
+            return error(400, f"no role {role!r}")
+        sessions = self.sessions.get(role)
+        if sessions is None:
+            sessions = self.sessions[role] = Manual(self.config.policy_options())
+        target = sessions.select(candidates, RequestInfo(key=asked["key"], now=now))
         return web.json_response({"slot": target.slot})

@@ -16,13 +16,14 @@ import orjson
 from dprouter.follower import BASE, Channel
 from dprouter.policies import RequestInfo
 from dprouter.policies.manual import Manual
-from dprouter.targets import Target
+from dprouter.targets import Role, Target
 
 
 class Placer:
-    def __init__(self, channel: Channel, policy: Manual) -> None:
+    def __init__(self, channel: Channel, policy: Manual, role: Role = "regular") -> None:
         self.channel = channel
         self.policy = policy
+        self.role = role  # P/D: each role has its own table (a key has a prefill and a decode)
         self.fresh = min(1.0, policy.ttl / 2)
         self._asked: dict[str, float] = {}
 
@@ -33,7 +34,7 @@ class Placer:
         held = self.policy.sticky.get(key)
         if held is not None and held[0] in targets and info.now - self._asked[key] < self.fresh:
             return
-        asked = {"key": key, "slots": [t.slot for t in targets]}
+        asked = {"key": key, "slots": [t.slot for t in targets], "role": self.role}
         async with self.channel.session.post(
             BASE + "/control/place", data=orjson.dumps(asked)
         ) as r:

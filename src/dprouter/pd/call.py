@@ -17,7 +17,7 @@ from dprouter.inbound import ClientRequest
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Incoming
 from dprouter.relay import UpstreamBroke, relay
-from dprouter.targets import Target
+from dprouter.targets import Outstanding, Target
 
 PREFILL_HEADER = "x-dprouter-prefill"
 
@@ -49,6 +49,8 @@ class Call:
     aborter: Aborter  # SGLang: a client that leaves aborts its request on the engines
     # per attempt: would a failure of this side be tried again elsewhere?
     last_chance: dict[Side, bool] = field(default_factory=dict)
+    # per attempt, several serving processes: each leg counted in the step of the decision
+    claimed: dict[Side, Outstanding] = field(default_factory=dict)
 
     @property
     def incoming(self) -> Incoming:
@@ -61,6 +63,22 @@ class Call:
     @property
     def metrics(self) -> RouterMetrics:
         return self.rules.metrics
+
+    def count(self, side: Side, target: Target) -> Outstanding:
+        """What counts this leg on its target while it runs: the count claimed with the
+        decision if there is one, else one that counts on entering."""
+        found = self.claimed.get(side)
+        if found is not None and found.target is target:
+            del self.claimed[side]
+            return found
+        return Outstanding(target, self.incoming.tokens)
+
+    def release(self) -> None:
+        """The attempt is over: a leg claimed with the decision that never ran is
+        counted no more."""
+        for counted in self.claimed.values():
+            counted.__exit__()
+        self.claimed.clear()
 
     async def send(
         self,

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from dprouter.attempts import Failed
 from dprouter.pd.call import Answered, Call, cancel
-from dprouter.targets import Outstanding, Target
+from dprouter.targets import Target
 
 
 async def run_both(
@@ -31,10 +31,8 @@ async def run_both(
     decode_body: dict[str, Any],
     headers: dict[str, str],
 ) -> web.StreamResponse:
-    tokens = call.incoming.tokens
-
     async def prefill_leg() -> None:
-        with Outstanding(prefill, tokens):
+        with call.count("prefill", prefill):
             resp = await call.send("prefill", prefill, prefill_body, headers)
             raw = await call.drain(prefill, resp)
             if resp.status != 200:
@@ -45,7 +43,7 @@ async def run_both(
         call.metrics.series(prefill).answered(200)
 
     ptask = asyncio.create_task(prefill_leg())
-    with Outstanding(decode, tokens):
+    with call.count("decode", decode):
         dtask = asyncio.create_task(call.send("decode", decode, decode_body, headers))
         try:
             await asyncio.wait({ptask, dtask}, return_when=asyncio.FIRST_EXCEPTION)

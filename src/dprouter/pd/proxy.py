@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
 from aiohttp import web
 
-from dprouter.attempts import Failed, Rules
+from dprouter.attempts import Failed, Rules, Side
 from dprouter.cancel import Aborter
 from dprouter.config import RouterConfig
 from dprouter.inbound import ClientRequest, read_request
@@ -27,10 +27,12 @@ from dprouter.parse import Kind
 from dprouter.pd import moriio, nixl, sglang
 from dprouter.pd.call import Call
 from dprouter.pd.pairing import Pairing
+from dprouter.placer import Placer
 from dprouter.policies import Policy, RequestInfo
 from dprouter.registry import Registry
 from dprouter.relay import error
-from dprouter.targets import Role, Target
+from dprouter.targets import Outstanding, Role, Target
+from dprouter.turn import Turn
 
 Flow = Callable[[Call, Target, Target], Awaitable[web.StreamResponse]]
 
@@ -44,7 +46,11 @@ class PairProxy:
         decode_policy: Policy,
         metrics: RouterMetrics,
         rules: Rules,
+        placers: Mapping[Side, Placer] | None = None,
+        turn: Turn | None = None,
     ) -> None:
+        self.placers = placers or {}  # several serving processes: manual's keys placed once
+        self.turn = turn  # several serving processes: one decision at a time
         self.config = config
         self.registry = registry
         self.pairing = Pairing(prefill_policy, decode_policy)
@@ -83,7 +89,24 @@ class PairProxy:
             if attempts.tried:
                 await attempts.pause()
                 info = replace(info, attempt=len(attempts.tried))
-            prefill, decode = self.pairing.choose(prefills, decodes, info, incoming.model)
+            elif info.key is not None:
+                legs: tuple[tuple[Side, Sequence[Target]], ...] = (
+                    ("prefill", prefills),
+                    ("decode", decodes),
+                )
+                for side, candidates in legs:
+                    if placer := self.placers.get(side):
+                        await placer.place(candidates, replace(info, pool=(side, incoming.model)))
+            if self.turn is None:
+                prefill, decode = self.pairing.choose(prefills, decodes, info, incoming.model)
+            else:
+                with self.turn:  # the pair and both counts, in one step for all processes
+                    prefill, decode = self.pairing.choose(prefills, decodes, info, incoming.model)
+                    tokens = incoming.tokens
+                    call.claimed = {
+                        "prefill": Outstanding(prefill, tokens).claim(),
+                        "decode": Outstanding(decode, tokens).claim(),
+                    }
             call.last_chance = {
                 "prefill": attempts.last_chance(prefills),
                 "decode": attempts.last_chance(decodes),
@@ -93,6 +116,8 @@ class PairProxy:
             except Failed as failure:
                 attempts.failed(failure)
                 continue
+            finally:
+                call.release()
             attempts.answered(answer, prefill, decode)
             return answer
         return attempts.give_up("prefill/decode pair")

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from dprouter.attempts import Failed
 from dprouter.pd.call import Call
-from dprouter.targets import Outstanding, Target
+from dprouter.targets import Target
 
 DecodeBody = Callable[[dict[str, Any]], dict[str, Any]]  # the prefill's kv_transfer_params in
 
@@ -22,8 +22,7 @@ async def run_in_turn(
     decode_body: DecodeBody,
     headers: dict[str, str],
 ) -> web.StreamResponse:
-    tokens = call.incoming.tokens
-    with Outstanding(prefill, tokens):
+    with call.count("prefill", prefill):
         resp = await call.send("prefill", prefill, prefill_body, headers)
         if resp.status != 200:  # not retried (see attempts): the client hears the engine
             return await call.finish(prefill, resp, prefill)
@@ -32,6 +31,6 @@ async def run_in_turn(
     kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     if not isinstance(kv, dict):
         raise Failed(prefill, "no_kv", "answered without kv_transfer_params", "prefill")
-    with Outstanding(decode, tokens):
+    with call.count("decode", decode):
         upstream = await call.send("decode", decode, decode_body(kv), headers)
         return await call.finish(decode, upstream, prefill)
