@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dprouter.config import ConfigError, RouterConfig, WorkerSpec, load_file, validate
-from dprouter.serve import parse_worker
+from dprouter.config import ConfigError, RouterConfig, WorkerSpec, load_file, parse_worker, validate
 
 
 def test_sessions_with_no_policy_mean_manual_with_min_load() -> None:

@@ -66,7 +66,9 @@ def test_the_bench_command_loads_its_extra_only_when_it_runs() -> None:
     assert loaded_after("import dprouter.bench.command") == ["dprouter.bench"]
 
 
-@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"], ["bench", "--help"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["serve", "--help"], ["bench", "--help"], ["register", "--help"]]
+)
 def test_help(args: list[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "dprouter", *args], capture_output=True, text=True, timeout=60
@@ -75,4 +77,4 @@ def test_help(args: list[str]) -> None:
     assert done.stdout.startswith("Usage: ")
     if args == ["--help"]:
         listed = [line.split()[0] for line in done.stdout.split("Commands:\n")[1].splitlines()]
-        assert listed == ["bench", "demo", "serve", "sim"]
+        assert listed == ["bench", "demo", "register", "serve", "sim"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -21,8 +22,11 @@ from dprouter.config import (
     validate,
     worker_from_mapping,
 )
+from dprouter.etcd import EtcdError
+from dprouter.membership import Source, worker_name
+from dprouter.membership.etcd import EtcdMembership
 from dprouter.monitor import Monitor
-from dprouter.registry import Duplicate, Registry
+from dprouter.registry import Duplicate, Registry, worker_from_spec
 from dprouter.relay import error
 from dprouter.targets import Worker
 
@@ -53,29 +57,24 @@ def describe(worker: Worker) -> dict[str, Any]:
     }
 
 
-def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
-    return Worker(
-        id=spec.id or registry.next_id(spec.role),
-        url=spec.url,
-        role=spec.role,
-        dialect=spec.dialect,
-        dp_size=spec.dp_size,
-        rank_offset=spec.rank_offset,
-        model=spec.model,
-        bootstrap_port=spec.bootstrap_port,
-        tp_size=spec.tp_size,
-    )
-
-
 class Admin:
     """The admin handlers. New workers are checked against the running router's own
-    configuration (a ``--pd`` router takes prefill and decode workers, not regular ones)."""
+    configuration (a ``--pd`` router takes prefill and decode workers, not regular ones).
+    Under etcd discovery a worker is added and removed in etcd, for every replica: the
+    answer names the key, and the worker joins here as on the others, from the watch."""
 
-    def __init__(self, config: RouterConfig, registry: Registry, monitor: Monitor) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: Registry,
+        monitor: Monitor,
+        sources: Sequence[Source] = (),
+    ) -> None:
         self.config = config
         self.token = config.admin_token
         self.registry = registry
         self.monitor = monitor
+        self.shared = next((s for s in sources if isinstance(s, EtcdMembership)), None)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -100,20 +99,42 @@ class Admin:
             if not isinstance(raw, dict):
                 raise ConfigError("the body must be a JSON object describing one worker")
             spec = validate(replace(self.config, workers=(worker_from_mapping(raw),))).workers[0]
+            if self.shared is not None:
+                return await self._add_shared(request, spec, raw)
             worker = self.registry.add(worker_from_spec(spec, self.registry))
         except Duplicate as exc:
             return error(409, str(exc))
         except (orjson.JSONDecodeError, ConfigError, TypeError) as exc:
             return error(400, str(exc))
         self.monitor.watch(worker)
-        wait = request.query.get("wait")
-        if wait is not None:
-            try:
-                async with asyncio.timeout(min(float(wait), 60.0)):
-                    await self.monitor.settled(worker)
-            except (TimeoutError, ValueError):
-                pass
+        await self._wait(request, worker.id)
         return web.json_response(describe(worker), status=201, dumps=_dumps)
+
+    async def _add_shared(
+        self, request: web.Request, spec: WorkerSpec, raw: dict[str, Any]
+    ) -> web.Response:
+        assert self.shared is not None
+        name = spec.id or worker_name(spec.url)
+        if name in self.registry.workers:
+            return error(409, f"worker id {name!r} already registered")
+        try:
+            key = await self.shared.write(name, raw)
+        except EtcdError as exc:
+            return error(503, f"cannot write the worker to etcd: {exc}")
+        worker = await self._wait(request, name)
+        found = describe(worker) if worker is not None else {"id": name, "state": "pending"}
+        return web.json_response({**found, "etcd_key": key}, status=201, dumps=_dumps)
+
+    async def _wait(self, request: web.Request, worker_id: str) -> Worker | None:
+        """With ``?wait=S``: up to S seconds for the worker to join and be discovered."""
+        wait = request.query.get("wait")
+        try:
+            async with asyncio.timeout(min(float(wait or 0), 60.0)):
+                await self._joined(worker_id)  # etcd: it joins from the watch
+                await self.monitor.settled(self.registry.workers[worker_id])
+        except (TimeoutError, ValueError):
+            pass
+        return self.registry.workers.get(worker_id)
 
     async def listing(self, request: web.Request) -> web.Response:
         if (refused := self.denied(request)) is not None:
@@ -127,9 +148,29 @@ class Admin:
         worker_id = request.match_info["worker_id"]
         if worker_id not in self.registry.workers:
             return error(404, f"no worker {worker_id!r}")
+        if self.shared is not None:
+            url = self.registry.workers[worker_id].url  # the watch may remove it meanwhile
+            try:
+                key = await self.shared.erase(worker_id)
+            except EtcdError as exc:
+                return error(503, f"cannot remove the worker from etcd: {exc}")
+            if key is not None:  # it leaves here as on every replica, from the watch
+                return web.json_response(
+                    {"removed": worker_id, "url": url, "etcd_key": key}, dumps=_dumps
+                )
         self.monitor.forget(worker_id)
         worker = self.registry.remove(worker_id)
         return web.json_response({"removed": worker.id, "url": worker.url}, dumps=_dumps)
+
+    async def _joined(self, worker_id: str) -> None:
+        changed = asyncio.Event()
+        self.registry.listeners.append(changed.set)
+        try:
+            while worker_id not in self.registry.workers:
+                changed.clear()
+                await changed.wait()
+        finally:
+            self.registry.listeners.remove(changed.set)
 
 
 def _dumps(obj: Any) -> str:

@@ -15,7 +15,6 @@ from types import TracebackType
 import aiohttp
 from aiohttp import web
 
-from dprouter.admin import worker_from_spec
 from dprouter.admission import Admission, AdmissionOptions
 from dprouter.attempts import Rules, Side
 from dprouter.breaker import BreakerOptions, Breakers
@@ -24,6 +23,7 @@ from dprouter.drain import Drain
 from dprouter.follower import Channel, Follower, SharedBreakers
 from dprouter.handlers import Handlers
 from dprouter.httplog import quiet_malformed
+from dprouter.membership import Source, sources
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
@@ -34,7 +34,7 @@ from dprouter.policies import Policy, make_policy
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy import Proxy
-from dprouter.registry import Registry
+from dprouter.registry import Registry, worker_from_spec
 from dprouter.relay import error
 from dprouter.targets import Target
 from dprouter.turn import Turn
@@ -54,6 +54,7 @@ class Parts:
     drain: Drain = field(default_factory=Drain)  # requests in flight, for a graceful stop
     proxy: Proxy | PairProxy | None = None  # made at start-up, with the upstream session
     registration: Registration | None = None  # MoRIIO instances register here
+    sources: list[Source] = field(default_factory=list)  # of workers: etcd (not --processes)
     control: Channel | None = None  # a serving process of --processes N: the parent's link
     turn: Turn | None = None  # ...and its decisions, one at a time with the others'
 
@@ -93,6 +94,8 @@ def build_app(
         control=control,
         turn=turn,
     )
+    if control is None:
+        parts.sources = sources(config, registry, parts.monitor)
     if control is not None and isinstance(parts.monitor, Follower):
         parts.breakers = SharedBreakers(parts.monitor)
         parts.breakers.options = breaker_options(config)
@@ -179,6 +182,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.registry, config.registration, config.heartbeat_timeout, parts.monitor.forget
         )
         await parts.registration.start()
+    for source in parts.sources:
+        await source.start()
     rules = Rules(
         session,
         parts.breakers,
@@ -225,6 +230,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     finally:
         if parts.registration is not None:
             await parts.registration.stop()
+        for source in parts.sources:
+            await source.stop()
         await parts.monitor.stop()
         parts.breakers.stop()
         await session.close()

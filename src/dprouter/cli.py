@@ -15,6 +15,7 @@ import click
 COMMANDS = {
     "bench": "dprouter.bench.command:bench",
     "demo": "dprouter.demo:demo",
+    "register": "dprouter.register:register",
     "serve": "dprouter.serve:serve",
     "sim": "dprouter.sim.command:sim",
 }

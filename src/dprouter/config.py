@@ -16,6 +16,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from dprouter.policies import POLICIES, PolicyOptions
 from dprouter.targets import ROLES, DialectName, Role, normalise_url
@@ -85,6 +86,7 @@ class RouterConfig:
     registration: str = "tcp://127.0.0.1:36367"  # MoRIIO engines register here (ZMQ)
     heartbeat_timeout: float = 10.0  # MoRIIO: an instance silent this long is expired
     processes: int | str = 1  # serving processes on the port; "auto": one per core
+    discovery: str | None = None  # etcd://HOST:PORT[,HOST:PORT...]/PREFIX: workers from etcd
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -217,6 +219,8 @@ def validate(config: RouterConfig) -> RouterConfig:
             "MoRIIO instances register themselves over ZMQ (their handshake addresses come "
             f"with it): point them at --registration {config.registration}, list no workers"
         )
+    if config.discovery is not None:
+        parse_discovery(config.discovery)
     urls = [w.url for w in workers]
     for url in urls:
         if urls.count(url) > 1:
@@ -229,6 +233,17 @@ def validate(config: RouterConfig) -> RouterConfig:
         warnings=tuple(warnings),
         processes=processes,
     )
+
+
+def parse_discovery(url: str) -> tuple[list[str], str]:
+    """``etcd://HOST:PORT[,HOST:PORT...]/PREFIX`` -> (endpoint URLs, key prefix ending in /)."""
+    parts = urlsplit(url)
+    if parts.scheme != "etcd" or not parts.netloc:
+        raise ConfigError(f"discovery {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]/PREFIX")
+    prefix = parts.path.rstrip("/") + "/"
+    if prefix == "/":
+        raise ConfigError(f"discovery {url!r}: name a key prefix, e.g. etcd://HOST:2379/dprouter")
+    return [f"http://{host}" for host in parts.netloc.split(",") if host], prefix
 
 
 def check_worker(spec: WorkerSpec) -> WorkerSpec:
@@ -278,3 +293,22 @@ def load_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: workers must be an array of tables ([[workers]])")
     options["workers"] = tuple(worker_from_mapping(dict(w)) for w in workers)
     return options
+
+
+INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port", "tp_size")
+
+
+def parse_worker(text: str, role: str = "regular") -> WorkerSpec:
+    """``URL[,key=value...]``, e.g. ``http://[::1]:8000,dialect=vllm,dp_size=8``."""
+    url, *pairs = text.split(",")
+    raw: dict[str, Any] = {"url": url, "role": role}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--worker {text!r}: expected key=value after the URL, got {pair!r}")
+        key = key.strip().replace("-", "_")
+        try:
+            raw[key] = int(value) if key in INT_KEYS else value
+        except ValueError:
+            raise ConfigError(f"--worker {text!r}: {key} must be an integer") from None
+    return worker_from_mapping(raw)

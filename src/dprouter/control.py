@@ -21,6 +21,7 @@ from aiohttp import web
 from dprouter.admin import Admin
 from dprouter.breaker import Breakers
 from dprouter.config import RouterConfig
+from dprouter.membership import sources
 from dprouter.monitor import Monitor
 from dprouter.pd.registration import Registration
 from dprouter.policies import RequestInfo
@@ -64,7 +65,8 @@ def encode(registry: Registry, breakers: Breakers) -> bytes:
         ]
         return found
 
-    return orjson.dumps({"workers": [worker(w) for w in registry.workers.values()]}) + b"\n"
+    workers = [worker(w) for w in registry.workers.values()]
+    return orjson.dumps({"workers": workers, "stale": registry.stale}) + b"\n"
 
 
 class ControlPlane:
@@ -79,6 +81,7 @@ class ControlPlane:
         # serves it
         self.sessions: dict[str, Manual] = {}
         self.registration: Registration | None = None
+        self.sources = sources(config, registry, monitor)  # of workers: etcd
         self.listening: set[int] = set()  # rows of the serving processes that listen
         self.joined = asyncio.Event()  # set when one more starts listening
         self.forwarded = 0  # batches of cache_aware's prefixes passed between processes
@@ -91,7 +94,7 @@ class ControlPlane:
                 web.get("/control/state", self.state),
                 web.post("/control/events", self.events),
                 web.post("/control/place", self.place),
-                *Admin(config, registry, monitor).routes(),
+                *Admin(config, registry, monitor, self.sources).routes(),
             ]
         )
         self._runner: web.AppRunner | None = None
@@ -115,11 +118,15 @@ class ControlPlane:
                 self.monitor.forget,
             )
             await self.registration.start()
+        for source in self.sources:
+            await source.start()
         await self.monitor.start()
 
     async def stop(self) -> None:
         if self.registration is not None:
             await self.registration.stop()
+        for source in self.sources:
+            await source.stop()
         await self.monitor.stop()
         self.breakers.stop()
         if self._runner is not None:

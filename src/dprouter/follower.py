@@ -68,6 +68,7 @@ def apply(registry: Registry, state: dict[str, Any]) -> None:
     """Make ``registry`` what the parent's is. Worker and target objects are kept while
     their slots are (policies hold on to targets: a sticky key must not see a new one)."""
     workers: dict[str, Worker] = {}
+    registry.stale = state.get("stale", False)
     for found in state["workers"]:
         worker = registry.workers.get(found["id"])
         if worker is None or worker.slot != found["slot"]:

@@ -42,7 +42,7 @@ class Handlers:
             *(
                 AdminRelay(p.control).routes()
                 if p.control is not None
-                else Admin(p.config, p.registry, p.monitor).routes()
+                else Admin(p.config, p.registry, p.monitor, p.sources).routes()
             ),
         ]
 

@@ -35,6 +35,12 @@ class _Live(Collector):
             "1 when the worker is discovered and routable.",
             labels=["worker"],
         )
+        stale = GaugeMetricFamily(
+            "dprouter_discovery_stale",
+            "1 while the membership source (etcd) cannot be read: the last membership read "
+            "keeps routing.",
+        )
+        stale.add_metric([], 1.0 if self.registry.stale else 0.0)
         for w in self.registry.workers.values():
             ready.add_metric([w.id], 1.0 if w.ready else 0.0)
             for t in w.targets:
@@ -43,6 +49,7 @@ class _Live(Collector):
         yield outstanding
         yield reported
         yield ready
+        yield stale
 
 
 class TargetSeries:

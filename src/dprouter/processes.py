@@ -25,13 +25,12 @@ from dataclasses import dataclass, replace
 from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
 
-from dprouter.admin import worker_from_spec
 from dprouter.board import Board, size_of
 from dprouter.breaker import Breakers
 from dprouter.config import RouterConfig, validate
 from dprouter.monitor import Monitor
 from dprouter.net import bind, url_of
-from dprouter.registry import Registry
+from dprouter.registry import Registry, worker_from_spec
 from dprouter.turn import Semaphore, Turn, hand_back
 
 log = logging.getLogger("dprouter")

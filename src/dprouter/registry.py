@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dprouter.board import Board
+from dprouter.config import WorkerSpec
 from dprouter.targets import DialectName, Role, Target, Worker
 
 
@@ -99,6 +100,7 @@ class Registry:
         self.workers: dict[str, Worker] = {}
         self.snapshot = Snapshot(0, ())
         self.listeners: list[Callable[[], None]] = []  # told of every rebuild
+        self.stale = False  # membership comes from a source that cannot be read just now
         self._version = 0
 
     def add(self, worker: Worker) -> Worker:
@@ -162,3 +164,17 @@ class Registry:
 
     def targets(self) -> list[Target]:
         return [t for w in self.workers.values() for t in w.targets]
+
+
+def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
+    return Worker(
+        id=spec.id or registry.next_id(spec.role),
+        url=spec.url,
+        role=spec.role,
+        dialect=spec.dialect,
+        dp_size=spec.dp_size,
+        rank_offset=spec.rank_offset,
+        model=spec.model,
+        bootstrap_port=spec.bootstrap_port,
+        tp_size=spec.tp_size,
+    )

@@ -17,33 +17,15 @@ from dprouter.config import (
     PD_MODES,
     ConfigError,
     RouterConfig,
-    WorkerSpec,
     load_file,
+    parse_worker,
     validate,
-    worker_from_mapping,
 )
 from dprouter.policies import POLICIES
 from dprouter.processes import Supervisor
 from dprouter.targets import ROLES
 
 log = logging.getLogger("dprouter")
-INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port", "tp_size")
-
-
-def parse_worker(text: str, role: str = "regular") -> WorkerSpec:
-    """``URL[,key=value...]``, e.g. ``http://[::1]:8000,dialect=vllm,dp_size=8``."""
-    url, *pairs = text.split(",")
-    raw: dict[str, Any] = {"url": url, "role": role}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ConfigError(f"--worker {text!r}: expected key=value after the URL, got {pair!r}")
-        key = key.strip().replace("-", "_")
-        try:
-            raw[key] = int(value) if key in INT_KEYS else value
-        except ValueError:
-            raise ConfigError(f"--worker {text!r}: {key} must be an integer") from None
-    return worker_from_mapping(raw)
 
 
 def make_config(
@@ -78,6 +60,12 @@ def make_config(
     "config_file",
     type=click.Path(exists=True, path_type=Path),
     help="TOML file with router options and [[workers]] tables.",
+)
+@click.option(
+    "--discovery",
+    default=None,
+    metavar="etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
+    help="Also take workers from etcd: one key per worker under PREFIX (see dprouter register).",
 )
 @click.option(
     "--pd", type=click.Choice(PD_MODES), default=None, help="Prefill/decode disaggregation flow."
@@ -339,8 +327,13 @@ def serve(
         raise click.UsageError(str(exc)) from None
     except TypeError as exc:
         raise click.UsageError(f"bad option in the configuration: {exc}") from None
-    if not config.workers and not config.admin_token and config.pd != "vllm-moriio":
-        raise click.UsageError("no --worker given and no --admin-token to add workers later")
+    if (
+        not (config.workers or config.admin_token or config.discovery)
+        and config.pd != "vllm-moriio"
+    ):
+        raise click.UsageError(
+            "no --worker given, no --discovery and no --admin-token to add workers later"
+        )
     asyncio.run(run(config))
 
 
@@ -368,7 +361,10 @@ async def run(config: RouterConfig) -> None:
         if not await router.settled(config.startup_timeout):
             waiting = [w.id for w in router.registry.workers.values() if w.state == "discovering"]
             log.warning("still discovering %s; they get traffic once they answer", waiting)
-        refused = [w.id for w in router.registry.workers.values() if w.state == "error"]
+        listed = {spec.url for spec in config.workers}  # etcd's come and go: only logged
+        refused = [
+            w.id for w in router.registry.workers.values() if w.state == "error" and w.url in listed
+        ]
         if refused:  # each was logged, with its reason, when it was refused
             names = ", ".join(refused)
             raise click.ClickException(f"refusing to start with misconfigured workers: {names}")

@@ -1,0 +1,44 @@
+"""Membership sources: where workers come from besides the command line.
+
+Each source learns of workers and tells the registry (``add``, ``remove``) and
+the monitor (``watch`` discovers a new one, ``forget`` stops that); it never
+routes and never reaches into another source. They run where the registry is
+owned: the router itself, or the parent of ``--processes``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Protocol
+from urllib.parse import urlsplit
+
+from dprouter.config import RouterConfig, parse_discovery
+
+if TYPE_CHECKING:
+    from dprouter.monitor import Monitor
+    from dprouter.registry import Registry
+
+
+class Source(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def worker_name(url: str) -> str:
+    """A worker's name (its key under the prefix, and its id) when none is given: the
+    host and port of its URL, the same on every replica."""
+    netloc = urlsplit(url).netloc
+    return re.sub(r"[^A-Za-z0-9._-]", "-", netloc)
+
+
+def sources(config: RouterConfig, registry: Registry, monitor: Monitor) -> list[Source]:
+    """The sources the configuration names (besides its own list of workers)."""
+    if config.discovery is None:
+        return []
+    from dprouter.membership.etcd import EtcdMembership
+
+    endpoints, prefix = parse_discovery(config.discovery)
+    return [EtcdMembership(endpoints, prefix, registry, monitor, config)]

