@@ -365,3 +365,50 @@ async def test_under_processes_the_parent_follows_etcd_and_both_processes_route(
         assert await until(lambda: not sup.registry.snapshot.workers)
     finally:
         await sup.stop()
+
+
+async def turn(http: aiohttp.ClientSession, router: Router, key: str) -> tuple[str, str]:
+    body = {"prompt": "a turn", "max_tokens": 2}
+    headers = {"X-Session-ID": key}
+    async with http.post(router.url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        return r.headers["x-sim-engine"], r.headers["x-sim-dp-rank"]
+
+
+async def test_50_keys_x_4_turns_sent_alternately_to_2_replicas_reach_their_first_target(
+    start_cluster: StartCluster, replicas: Replicas, client: Etcd, http: aiohttp.ClientSession
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=4)] * 2)
+    a, b = await replicas(sessions=True)  # manual, new keys placed by min_load
+    for i, url in enumerate(cluster.urls):
+        await client.put(PREFIX + f"e{i}", orjson.dumps({"url": url}))
+    assert await until(lambda: all(len(r.registry.snapshot.pool()) == 8 for r in (a, b)))
+    first: dict[str, tuple[str, str]] = {}
+    for n in range(4):
+        for k in range(50):
+            key = f"session-{k}"
+            seen = await turn(http, (a, b)[(n + k) % 2], key)
+            assert first.setdefault(key, seen) == seen, key
+    assert len(set(first.values())) == 8  # min_load spread the keys over every target
+    claimed, _ = await client.read("/dprouter.sessions/")
+    assert len(claimed) == 50
+
+
+async def test_with_etcd_down_new_keys_land_alike_on_every_replica(
+    start_cluster: StartCluster,
+    etcd: EtcdServer,
+    replicas: Replicas,
+    client: Etcd,
+    http: aiohttp.ClientSession,
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=4)] * 2)
+    a, b = await replicas(sessions=True)
+    for i, url in enumerate(cluster.urls):
+        await client.put(PREFIX + f"e{i}", orjson.dumps({"url": url}))
+    assert await until(lambda: all(len(r.registry.snapshot.pool()) == 8 for r in (a, b)))
+    await etcd.stop()
+    for _ in range(3):  # a's own rotation now differs from b's
+        await answer(http, a)
+    for k in range(20):
+        key = f"offline-{k}"
+        assert await turn(http, a, key) == await turn(http, b, key), key

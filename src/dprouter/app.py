@@ -18,6 +18,7 @@ from aiohttp import web
 from dprouter.admission import Admission, AdmissionOptions
 from dprouter.attempts import Rules, Side
 from dprouter.breaker import BreakerOptions, Breakers
+from dprouter.claims import claims
 from dprouter.config import RouterConfig, validate
 from dprouter.drain import Drain
 from dprouter.follower import Channel, Follower, SharedBreakers
@@ -29,7 +30,7 @@ from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
 from dprouter.pd.proxy import PairProxy
 from dprouter.pd.registration import Registration
-from dprouter.placer import Placer
+from dprouter.placer import Placer, Places
 from dprouter.policies import Policy, make_policy
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
@@ -216,9 +217,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.turn,
         )
     else:
-        placer = None
+        placer: Places | None = None
         if parts.control is not None and isinstance(parts.policy, Manual):
             placer = Placer(parts.control, parts.policy)
+        elif isinstance(parts.policy, Manual):
+            placer = claims(parts.sources, parts.policy)
         if isinstance(parts.monitor, Follower) and isinstance(parts.policy, CacheAware):
             share_prefixes(parts.monitor, parts.policy)
         parts.proxy = Proxy(

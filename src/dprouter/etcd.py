@@ -115,6 +115,31 @@ class Etcd:
         answer = await self.call("/v3/kv/deleterange", {"key": b64(key)})
         return int(answer.get("deleted", 0))
 
+    async def claim(
+        self, key: str, value: bytes, lease: int, expect: bytes | None
+    ) -> tuple[bool, bytes | None]:
+        """Write ``value`` if the key is absent (``expect`` None) or holds ``expect``, in one
+        transaction: (written, the value it holds otherwise; None if it is absent)."""
+        if expect is None:
+            compare = {"key": b64(key), "target": "CREATE", "create_revision": "0"}
+        else:
+            compare = {"key": b64(key), "target": "VALUE", "value": b64(expect)}
+        put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        answer = await self.call(
+            "/v3/kv/txn",
+            {
+                "compare": [{**compare, "result": "EQUAL"}],
+                "success": [{"request_put": put}],
+                "failure": [{"request_range": {"key": b64(key)}}],
+            },
+        )
+        if answer.get("succeeded"):
+            return True, None
+        found = answer["responses"][0].get("response_range", {}).get("kvs", ())
+        return False, (unb64(found[0].get("value")) if found else None)
+
     async def grant(self, ttl: int) -> int:
         answer = await self.call("/v3/lease/grant", {"TTL": str(ttl)})
         return int(answer["ID"])

@@ -10,6 +10,7 @@ a plain function with no I/O: the asking happens before it is called.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import orjson
 
@@ -17,6 +18,13 @@ from dprouter.follower import BASE, Channel
 from dprouter.policies import RequestInfo
 from dprouter.policies.manual import Manual
 from dprouter.targets import Role, Target
+
+
+class Places(Protocol):
+    """Places a routing key before the policy is called (several processes: the parent's
+    table; several replicas: a claim in etcd)."""
+
+    async def place(self, targets: Sequence[Target], info: RequestInfo) -> None: ...
 
 
 class Placer:

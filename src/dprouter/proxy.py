@@ -23,7 +23,7 @@ from dprouter.config import RouterConfig
 from dprouter.inbound import ClientRequest, read_request
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Incoming, Kind
-from dprouter.placer import Placer
+from dprouter.placer import Places
 from dprouter.policies import Policy, RequestInfo
 from dprouter.registry import Registry
 from dprouter.relay import UpstreamBroke, error, relay
@@ -39,10 +39,10 @@ class Proxy:
         policy: Policy,
         metrics: RouterMetrics,
         rules: Rules,
-        placer: Placer | None = None,
+        placer: Places | None = None,
         turn: Turn | None = None,
     ) -> None:
-        self.placer = placer  # several serving processes: manual's keys are placed once
+        self.placer = placer  # several processes or replicas: manual's keys are placed once
         self.turn = turn  # several serving processes: one decision at a time
         self.config = config
         self.registry = registry
