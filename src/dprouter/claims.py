@@ -25,6 +25,7 @@ from dprouter.policies.manual import Manual
 from dprouter.targets import Target
 
 log = logging.getLogger("dprouter")
+RETRY = 1.0  # seconds after a failed call before a new key waits on etcd again
 
 
 def claims_prefix(workers_prefix: str) -> str:
@@ -43,6 +44,7 @@ class Claims:
         self.unreachable = False
         self._checked: dict[str, float] = {}  # key -> when its claim was last read or written
         self._lease = (0, float("-inf"))  # (id, granted at)
+        self._retry_at = float("-inf")
 
     async def place(self, targets: Sequence[Target], info: RequestInfo) -> None:
         key = info.key
@@ -55,13 +57,18 @@ class Claims:
         if mine is None:  # a new key, or its target left: place it here first
             mine = self.policy.select(targets, info)
         try:
+            if info.now < self._retry_at:  # etcd failed just now: no wait on it per key
+                raise EtcdError("failed less than a second ago")
             found = await self._claim(key, mine, targets, info.now, held is not None)
         except EtcdError as exc:
             if not self.unreachable:
                 log.error("etcd unreachable (%s): new keys placed by rendezvous hashing", exc)
             self.unreachable = True
+            self._retry_at = info.now + RETRY
             found = self.rendezvous.select(targets, info)
         else:
+            if self.unreachable:
+                log.warning("etcd reachable again: new keys are claimed there")
             self.unreachable = False
         self._checked[key] = info.now
         if len(self._checked) > 2 * max(len(self.policy.sticky), 1024):
