@@ -119,6 +119,8 @@ def share_prefixes(follower: Follower, policy: CacheAware) -> None:
 
 
 def monitor_options(config: RouterConfig) -> MonitorOptions:
+    config = validate(config)  # resolves the load interval's default
+    assert config.load_interval is not None
     return MonitorOptions(
         scrape_interval=config.load_interval,
         health_interval=config.health_interval,

@@ -1,9 +1,14 @@
 """The load board: requests and tokens in flight per slot, for the whole router.
 
 Every target and every worker owns a slot. The board keeps, per slot, the
-router's requests and tokens in flight, the load the engine reported, and
-``load`` = max(in flight, reported): the one number the policies compare,
-kept up to date on every change so that a decision reads one row, at C speed.
+router's requests and tokens in flight, the load the engine reported, the
+router's in flight when it reported (``base``), and ``load``: the one number
+the policies compare, kept up to date on every change so that a decision reads
+one row, at C speed. ``load`` = max(in flight, reported + in flight - base):
+the engine's report plus what this router sent (net of what finished) since
+that report. For one router alone the engine's report is about its own in
+flight, so load is its in flight, exact; beside other replicas it adds the
+requests only the engine has seen.
 
 One process keeps the board in a private buffer. ``--processes N`` puts it in
 shared memory (made by the parent before the children start) with, besides
@@ -14,7 +19,7 @@ request counted in one process is seen by the next decision in any process.
 
 Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
 ``inflight[slots]``, ``tokens[slots]``, ``reported[slots]``, ``load[slots]``,
-then one cell: the row (+1) holding the turn, 0 if none.
+``base[slots]``, then one cell: the row (+1) holding the turn, 0 if none.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ I64 = npt.NDArray[np.int64]
 
 
 def size_of(rows: int, slots: int = SLOTS) -> int:
-    return ((2 * rows + 4) * slots + 1) * 8
+    return ((2 * rows + 5) * slots + 1) * 8
 
 
 class Board:
@@ -55,8 +60,8 @@ class Board:
         own = rows * slots
         self.own_inflight = whole[:own].reshape(rows, slots)
         self.own_tokens = whole[own : 2 * own].reshape(rows, slots)
-        self.inflight, self.tokens, self.reported, self.load = (
-            whole[2 * own + i * slots : 2 * own + (i + 1) * slots] for i in range(4)
+        self.inflight, self.tokens, self.reported, self.load, self.base = (
+            whole[2 * own + i * slots : 2 * own + (i + 1) * slots] for i in range(5)
         )
         self.mine = row * slots  # where this process's own rows start
         self.mine_tokens = own + row * slots
@@ -64,7 +69,8 @@ class Board:
         self.tokens_base = 2 * own + slots
         self.reported_base = 2 * own + 2 * slots
         self.load_base = 2 * own + 3 * slots
-        self.turn_cell = 2 * own + 4 * slots
+        self.base_base = 2 * own + 4 * slots
+        self.turn_cell = 2 * own + 5 * slots
         # the rows policies read, one cell per slot (an itemgetter over slots reads many)
         self.load_cells = self.cells[self.load_base : self.load_base + slots]
         self.tokens_cells = self.cells[self.tokens_base : self.tokens_base + slots]
@@ -74,7 +80,7 @@ class Board:
     def close(self) -> None:
         """Let go of the buffer (shared memory cannot be closed while views of it live)."""
         del self.own_inflight, self.own_tokens, self.inflight, self.tokens
-        del self.reported, self.load
+        del self.reported, self.load, self.base
         self.load_cells.release()
         self.tokens_cells.release()
         self.cells.release()
@@ -118,8 +124,8 @@ class Board:
         n = c[self.inflight_base + slot] + requests
         c[self.inflight_base + slot] = n
         c[self.tokens_base + slot] += tokens
-        r = c[self.reported_base + slot]
-        c[self.load_base + slot] = n if n > r else r
+        seen = c[self.reported_base + slot] + n - c[self.base_base + slot]
+        c[self.load_base + slot] = n if n > seen else seen
 
     def set_inflight(self, slot: int, value: int) -> None:
         """Make the router's count ``value`` (counted as this process's)."""
@@ -138,6 +144,7 @@ class Board:
         c = self.cells
         c[self.reported_base + slot] = value
         n = c[self.inflight_base + slot]
+        c[self.base_base + slot] = n
         c[self.load_base + slot] = n if n > value else value
 
     def release(self, row: int) -> None:
@@ -148,7 +155,7 @@ class Board:
             return
         self.inflight -= self.own_inflight[row]
         self.tokens -= self.own_tokens[row]
-        np.maximum(self.inflight, self.reported, out=self.load)
+        np.maximum(self.inflight, self.reported + self.inflight - self.base, out=self.load)
         self.own_inflight[row, :] = 0
         self.own_tokens[row, :] = 0
 

@@ -77,7 +77,9 @@ class RouterConfig:
     health_timeout: float = 2.0  # seconds one check may take
     first_byte_timeout: float = 0.0  # seconds to the answer's headers; 0: --read-timeout
     grace: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
-    load_interval: float = 1.0  # seconds between scrapes of engine-reported load; 0: off
+    # seconds between scrapes of engine-reported load; 0: off; None: 1, or 0.25 with
+    # --discovery (a replica sees the others' requests only in the engines' reports)
+    load_interval: float | None = None
     startup_timeout: float = 10.0  # serve waits this long for discovery, then checks workers
     admin_token: str | None = None  # None: the admin API is off
     pd: PdMode | None = None  # P/D disaggregation flow, chosen once; None: regular workers
@@ -186,7 +188,6 @@ def validate(config: RouterConfig) -> RouterConfig:
         "retry_backoff",
         "total_timeout",
         "read_timeout",
-        "load_interval",
         "key_ttl",
         "startup_timeout",
     ):
@@ -219,6 +220,11 @@ def validate(config: RouterConfig) -> RouterConfig:
             "MoRIIO instances register themselves over ZMQ (their handshake addresses come "
             f"with it): point them at --registration {config.registration}, list no workers"
         )
+    load_interval = config.load_interval
+    if load_interval is None:
+        load_interval = 1.0 if config.discovery is None else 0.25
+    if load_interval < 0:
+        raise ConfigError(f"load_interval must be >= 0, got {load_interval}")
     if config.discovery is not None:
         parse_discovery(config.discovery)
     urls = [w.url for w in workers]
@@ -232,6 +238,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         workers=tuple(workers),
         warnings=tuple(warnings),
         processes=processes,
+        load_interval=load_interval,
     )
 
 

@@ -278,9 +278,9 @@ def make_config(
 @click.option(
     "--load-interval",
     type=click.FloatRange(min=0),
-    default=1.0,
-    show_default=True,
-    help="Seconds between scrapes of engine-reported load (0: off).",
+    default=None,
+    help="Seconds between scrapes of engine-reported load (0: off). Default 1, or 0.25 with "
+    "--discovery.",
 )
 @click.option(
     "--read-timeout",
