@@ -367,7 +367,9 @@ async def test_under_processes_the_parent_follows_etcd_and_both_processes_route(
         await sup.stop()
 
 
-async def turn(http: aiohttp.ClientSession, router: Router, key: str) -> tuple[str, str]:
+async def turn(
+    http: aiohttp.ClientSession, router: Router | Supervisor, key: str
+) -> tuple[str, str]:
     body = {"prompt": "a turn", "max_tokens": 2}
     headers = {"X-Session-ID": key}
     async with http.post(router.url + "/v1/completions", json=body, headers=headers) as r:
@@ -412,3 +414,31 @@ async def test_with_etcd_down_new_keys_land_alike_on_every_replica(
     for k in range(20):
         key = f"offline-{k}"
         assert await turn(http, a, key) == await turn(http, b, key), key
+
+
+async def test_keys_follow_across_replicas_of_two_processes_each(
+    start_cluster: StartCluster, etcd: EtcdServer, client: Etcd
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=4)] * 2)
+    for i, url in enumerate(cluster.urls):
+        await client.put(PREFIX + f"e{i}", orjson.dumps({"url": url}))
+    discovery = f"etcd://{etcd.url.removeprefix('http://')}/dprouter"
+    config = RouterConfig(discovery=discovery, sessions=True, port=0, processes=2, grace=2.0)
+    sups = [Supervisor(config), Supervisor(config)]
+    try:
+        for sup in sups:
+            await sup.start()
+        assert await until(lambda: all(len(s.registry.snapshot.pool()) == 8 for s in sups))
+        await asyncio.sleep(0.3)  # the membership reaches every serving process
+        first: dict[str, tuple[str, str]] = {}
+        connector = aiohttp.TCPConnector(force_close=True)  # any process may take a turn
+        async with aiohttp.ClientSession(connector=connector) as http:
+            for n in range(3):
+                for k in range(20):
+                    key = f"s{k}"
+                    seen = await turn(http, sups[(n + k) % 2], key)
+                    assert first.setdefault(key, seen) == seen, key
+        assert len(set(first.values())) > 1
+    finally:
+        for sup in sups:
+            await sup.stop()

@@ -203,11 +203,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             side: make_policy(config.role_policy(side), config.policy_options())
             for side in ("prefill", "decode")
         }
-        placers = {
-            side: Placer(parts.control, policy, side)
-            for side, policy in policies.items()
-            if parts.control is not None and isinstance(policy, Manual)
-        }
+        placers: dict[Side, Places] = {}
+        for side, policy in policies.items():
+            if not isinstance(policy, Manual):
+                continue
+            if parts.control is not None:
+                placers[side] = Placer(parts.control, policy, side)
+            elif (claimed := claims(parts.sources, policy, side)) is not None:
+                placers[side] = claimed
         parts.proxy = PairProxy(
             config,
             parts.registry,

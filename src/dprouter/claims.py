@@ -28,9 +28,11 @@ log = logging.getLogger("dprouter")
 RETRY = 1.0  # seconds after a failed call before a new key waits on etcd again
 
 
-def claims_prefix(workers_prefix: str) -> str:
-    """Beside the workers' prefix, not under it (the membership watch must not see them)."""
-    return workers_prefix.rstrip("/") + ".sessions/"
+def claims_prefix(workers_prefix: str, role: str = "regular") -> str:
+    """Beside the workers' prefix, not under it (the membership watch must not see them);
+    P/D: one per role (a key has a prefill and a decode)."""
+    kind = "sessions" if role == "regular" else f"{role}-sessions"
+    return f"{workers_prefix.rstrip('/')}.{kind}/"
 
 
 class Claims:
@@ -115,11 +117,11 @@ class Claims:
         self.policy.sticky[key] = (target, now)
 
 
-def claims(sources: Sequence[object], policy: Manual) -> Claims | None:
+def claims(sources: Sequence[object], policy: Manual, role: str = "regular") -> Claims | None:
     """Claims over the etcd the workers come from, if they come from etcd."""
     from dprouter.membership.etcd import EtcdMembership
 
     found = next((s for s in sources if isinstance(s, EtcdMembership)), None)
     if found is None:
         return None
-    return Claims(found.etcd, claims_prefix(found.prefix), policy)
+    return Claims(found.etcd, claims_prefix(found.prefix, role), policy)

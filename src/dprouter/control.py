@@ -20,6 +20,7 @@ from aiohttp import web
 
 from dprouter.admin import Admin
 from dprouter.breaker import Breakers
+from dprouter.claims import Claims, claims
 from dprouter.config import RouterConfig
 from dprouter.membership import sources
 from dprouter.monitor import Monitor
@@ -80,6 +81,7 @@ class ControlPlane:
         # manual's key tables live here (one per role), so a key sticks whichever process
         # serves it
         self.sessions: dict[str, Manual] = {}
+        self._claims: dict[str, Claims | None] = {}  # under etcd discovery, by role
         self.registration: Registration | None = None
         self.sources = sources(config, registry, monitor)  # of workers: etcd
         self.listening: set[int] = set()  # rows of the serving processes that listen
@@ -212,5 +214,9 @@ class ControlPlane:
         sessions = self.sessions.get(role)
         if sessions is None:
             sessions = self.sessions[role] = Manual(self.config.policy_options())
-        target = sessions.select(candidates, RequestInfo(key=asked["key"], now=now))
+            self._claims[role] = claims(self.sources, sessions, role)
+        info = RequestInfo(key=asked["key"], now=now)
+        if (claimed := self._claims[role]) is not None:  # several replicas: claimed in etcd
+            await claimed.place(candidates, info)
+        target = sessions.select(candidates, info)
         return web.json_response({"slot": target.slot})

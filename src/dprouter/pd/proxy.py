@@ -27,7 +27,7 @@ from dprouter.parse import Kind
 from dprouter.pd import moriio, nixl, sglang
 from dprouter.pd.call import Call
 from dprouter.pd.pairing import Pairing
-from dprouter.placer import Placer
+from dprouter.placer import Places
 from dprouter.policies import Policy, RequestInfo
 from dprouter.registry import Registry
 from dprouter.relay import error
@@ -46,7 +46,7 @@ class PairProxy:
         decode_policy: Policy,
         metrics: RouterMetrics,
         rules: Rules,
-        placers: Mapping[Side, Placer] | None = None,
+        placers: Mapping[Side, Places] | None = None,
         turn: Turn | None = None,
     ) -> None:
         self.placers = placers or {}  # several serving processes: manual's keys placed once
