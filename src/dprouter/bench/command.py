@@ -27,6 +27,7 @@ SCENARIOS = {
     "burst": "burst",
     "scale": "scale",
     "crosscheck": "crosscheck",
+    "replicas": "replicas",
 }
 LONG = {"soak": "soak"}  # minutes by design: not part of "all"
 # studies of what lies beneath dprouter (its HTTP stacks, the offline simulator's own
