@@ -26,6 +26,7 @@ from dprouter.etcd import Etcd
 from dprouter.processes import Supervisor
 from dprouter.sim.config import EngineConfig, Faults
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
+from tests.test_cli import _serve, listening
 
 PREFIX = "/dprouter/"
 
@@ -393,3 +394,19 @@ async def test_keys_follow_across_replicas_of_two_processes_each(
     finally:
         for sup in sups:
             await sup.stop()
+
+
+async def test_serve_reads_etcd_before_it_reports_its_targets(
+    start_cluster: StartCluster, etcd: EtcdServer, client: Etcd, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    await client.put(PREFIX + "e", orjson.dumps({"url": engine.url}))
+    proc = await _serve("--discovery", f"etcd://{etcd.url.removeprefix('http://')}/dprouter")
+    try:
+        base, line = await listening(proc)
+        assert "2 target(s)" in line, line
+        async with http.post(base + "/v1/completions", json={"prompt": "hi"}) as r:
+            assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 10)

@@ -24,7 +24,7 @@ from dprouter.drain import Drain
 from dprouter.follower import Channel, Follower, SharedBreakers
 from dprouter.handlers import Handlers
 from dprouter.httplog import quiet_malformed
-from dprouter.membership import Source, sources
+from dprouter.membership import Source, read_within, sources
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
 from dprouter.net import bind, check_backlog, url_of
@@ -330,8 +330,12 @@ class Router:
             self._runner = None
 
     async def settled(self, seconds: float) -> bool:
-        """Wait for discovery of every worker; False if some are still discovering."""
-        return await self.monitor.settled_within(seconds)
+        """Wait for the membership sources' first read, then for discovery of every worker;
+        False if some are still discovering."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        read = await read_within(self.parts.sources, seconds)
+        return await self.monitor.settled_within(max(deadline - loop.time(), 0.0)) and read
 
     async def __aenter__(self) -> Router:
         await self.start()

@@ -28,6 +28,7 @@ from types import TracebackType
 from dprouter.board import Board, size_of
 from dprouter.breaker import Breakers
 from dprouter.config import RouterConfig, validate
+from dprouter.membership import read_within
 from dprouter.monitor import Monitor
 from dprouter.net import bind, url_of
 from dprouter.registry import Registry, worker_from_spec
@@ -193,7 +194,10 @@ class Supervisor:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     async def settled(self, seconds: float) -> bool:
-        return await self.monitor.settled_within(seconds)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        read = await read_within(self.control.sources, seconds)
+        return await self.monitor.settled_within(max(deadline - loop.time(), 0.0)) and read
 
     async def __aenter__(self) -> Supervisor:
         await self.start()

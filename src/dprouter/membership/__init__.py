@@ -8,7 +8,9 @@ owned: the router itself, or the parent of ``--processes``.
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 
 class Source(Protocol):
     name: str
+    synced: asyncio.Event  # set once the source has been read whole
 
     async def start(self) -> None: ...
 
@@ -42,3 +45,15 @@ def sources(config: RouterConfig, registry: Registry, monitor: Monitor) -> list[
 
     endpoints, prefix = parse_discovery(config.discovery)
     return [EtcdMembership(endpoints, prefix, registry, monitor, config)]
+
+
+async def read_within(sources: Sequence[Source], seconds: float) -> bool:
+    """Wait up to ``seconds`` for every source's first whole read; False if one is late
+    (its workers join when it answers)."""
+    try:
+        async with asyncio.timeout(seconds):
+            for source in sources:
+                await source.synced.wait()
+    except TimeoutError:
+        return False
+    return True
