@@ -61,6 +61,12 @@ def replicas(etcd: EtcdServer, start_router: StartRouter) -> Replicas:
     return start
 
 
+async def listed(client: Etcd, urls: list[str]) -> None:
+    """A key per engine, as an operator or the admin API writes one (no lease)."""
+    for i, url in enumerate(urls):
+        await client.put(PREFIX + f"e{i}", orjson.dumps({"url": url}))
+
+
 def serving(router: Router, url: str) -> bool:
     return any(w.url == url for w in router.registry.snapshot.workers)
 
@@ -334,8 +340,7 @@ async def test_50_keys_x_4_turns_sent_alternately_to_2_replicas_reach_their_firs
 ) -> None:
     cluster = await start_cluster([EngineConfig(dp_size=4)] * 2)
     a, b = await replicas(sessions=True)  # manual, new keys placed by min_load
-    for i, url in enumerate(cluster.urls):
-        await client.put(PREFIX + f"e{i}", orjson.dumps({"url": url}))
+    await listed(client, cluster.urls)
     assert await until(lambda: all(len(r.registry.snapshot.pool()) == 8 for r in (a, b)))
     first: dict[str, tuple[str, str]] = {}
     for n in range(4):
@@ -357,8 +362,7 @@ async def test_with_etcd_down_new_keys_land_alike_on_every_replica(
 ) -> None:
     cluster = await start_cluster([EngineConfig(dp_size=4)] * 2)
     a, b = await replicas(sessions=True)
-    for i, url in enumerate(cluster.urls):
-        await client.put(PREFIX + f"e{i}", orjson.dumps({"url": url}))
+    await listed(client, cluster.urls)
     assert await until(lambda: all(len(r.registry.snapshot.pool()) == 8 for r in (a, b)))
     await etcd.stop()
     for _ in range(3):  # a's own rotation now differs from b's
@@ -372,8 +376,7 @@ async def test_keys_follow_across_replicas_of_two_processes_each(
     start_cluster: StartCluster, etcd: EtcdServer, client: Etcd
 ) -> None:
     cluster = await start_cluster([EngineConfig(dp_size=4)] * 2)
-    for i, url in enumerate(cluster.urls):
-        await client.put(PREFIX + f"e{i}", orjson.dumps({"url": url}))
+    await listed(client, cluster.urls)
     discovery = f"etcd://{etcd.url.removeprefix('http://')}/dprouter"
     config = RouterConfig(discovery=discovery, sessions=True, port=0, processes=2, grace=2.0)
     sups = [Supervisor(config), Supervisor(config)]
