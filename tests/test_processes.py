@@ -69,6 +69,15 @@ async def hold_stream(url: str, opened: list[int]) -> None:
             pass
 
 
+async def pair(url: str, i: int) -> tuple[str, str]:
+    """One P/D request (every other one streamed): the (prefill, decode) targets it took."""
+    body = {**SHORT, "stream": i % 2 == 1}
+    async with fresh() as s, s.post(url + "/v1/completions", json=body) as r:
+        text = await r.text()
+        assert r.status == 200 and "error" not in text, text
+        return r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]
+
+
 def in_flight(sup: Supervisor) -> int:
     return sum(t.outstanding for t in sup.registry.targets())
 
@@ -281,14 +290,7 @@ async def test_pd_flows_run_through_both_processes(
     specs = (WorkerSpec(prefill.url, role="prefill"), WorkerSpec(decode.url, role="decode"))
     sup = await start_processes(RouterConfig(pd=mode, workers=specs))
 
-    async def pair(i: int) -> tuple[str, str]:
-        body = {**SHORT, "stream": i % 2 == 1}
-        async with fresh() as s, s.post(sup.url + "/v1/completions", json=body) as r:
-            text = await r.text()
-            assert r.status == 200 and "error" not in text, text
-            return r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]
-
-    pairs = await asyncio.gather(*(pair(i) for i in range(16)))
+    pairs = await asyncio.gather(*(pair(sup.url, i) for i in range(16)))
     assert {p for p, _ in pairs} == {"p0/0", "p0/1"} and {d for _, d in pairs} == {"d0/0", "d0/1"}
     assert len(decode.received) == 16
     assert await until(lambda: in_flight(sup) == 0)
@@ -332,7 +334,7 @@ async def test_pd_a_key_on_20_connections_always_reaches_one_pair(
     config = RouterConfig(pd="vllm-nixl", workers=specs, policy="manual", assignment=assignment)
     sup = await start_processes(config)
 
-    async def pair(key: str) -> tuple[str, str]:
+    async def keyed(key: str) -> tuple[str, str]:
         async with (
             fresh() as s,
             s.post(sup.url + "/v1/completions", json=SHORT, headers={"X-Session-ID": key}) as r,
@@ -341,7 +343,7 @@ async def test_pd_a_key_on_20_connections_always_reaches_one_pair(
             return r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]
 
     for key in ("alice", "bob", "carol"):
-        seen = await asyncio.gather(*(pair(key) for _ in range(20)))
+        seen = await asyncio.gather(*(keyed(key) for _ in range(20)))
         assert len(set(seen)) == 1, Counter(seen)
 
 
@@ -371,15 +373,8 @@ async def test_moriio_engines_register_once_and_both_processes_route_to_them(
     pids = [c.pid for c in sup.children.values() if c.pid is not None]
     decode_port = int(cluster.servers[1].url.rsplit(":", 1)[1])
 
-    async def pair(i: int) -> tuple[str, str]:
-        body = {**SHORT, "stream": i % 2 == 1}
-        async with fresh() as s, s.post(sup.url + "/v1/completions", json=body) as r:
-            text = await r.text()
-            assert r.status == 200 and "error" not in text, text
-            return r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]
-
     for _ in range(5):
-        pairs = await asyncio.gather(*(pair(i) for i in range(16)))
+        pairs = await asyncio.gather(*(pair(sup.url, i) for i in range(16)))
         assert len({p for p, _ in pairs}) == 2 and len({d for _, d in pairs}) == 2, pairs
         if upstream_owners(pids, decode_port) == set(pids):
             break
