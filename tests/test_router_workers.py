@@ -138,7 +138,8 @@ async def test_hybrid_lb_endpoint_takes_local_ranks(
     assert (found.dialect, found.ranks, found.rank_offset) == ("vllm", 4, 8)
     discovery.apply(worker, found)
     per_rank = await load.scrape(http, worker)
-    assert per_rank == {0: 1, 1: 2, 2: 3, 3: 4}  # engine 9 is local rank 1: 1 running + 1 waiting
+    # engine 9 is local rank 1: 1 running + 1 waiting (no KV series here: 0 tokens)
+    assert per_rank == {0: (1, 0), 1: (2, 0), 2: (3, 0), 3: (4, 0)}
 
 
 async def test_a_late_worker_is_discovered_then_routed(

@@ -8,7 +8,10 @@ one row, at C speed. ``load`` = max(in flight, reported + in flight - base):
 the engine's report plus what this router sent (net of what finished) since
 that report. For one router alone the engine's report is about its own in
 flight, so load is its in flight, exact; beside other replicas it adds the
-requests only the engine has seen.
+requests only the engine has seen. Tokens the same way: ``token_load`` =
+max(tokens in flight, reported tokens + tokens in flight - ``token_base``),
+where the engine reports the KV-cache tokens it holds (and SGLang the prompt
+tokens queued) and the router counts prompt + output budget left.
 
 One process keeps the board in a private buffer. ``--processes N`` puts it in
 shared memory (made by the parent before the children start) with, besides
@@ -19,7 +22,8 @@ request counted in one process is seen by the next decision in any process.
 
 Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
 ``inflight[slots]``, ``tokens[slots]``, ``reported[slots]``, ``load[slots]``,
-``base[slots]``, then one cell: the row (+1) holding the turn, 0 if none.
+``base[slots]``, ``reported_tokens[slots]``, ``token_load[slots]``,
+``token_base[slots]``, then one cell: the row (+1) holding the turn, 0 if none.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ if TYPE_CHECKING:
 
 SLOTS = 1 << 15  # targets + workers a router can hold (4,096 ranks is 1/8 of it)
 I64 = npt.NDArray[np.int64]
+ROWS = 8  # whole-router rows
 
 
 def size_of(rows: int, slots: int = SLOTS) -> int:
-    return ((2 * rows + 5) * slots + 1) * 8
+    return ((2 * rows + ROWS) * slots + 1) * 8
 
 
 class Board:
@@ -60,9 +65,16 @@ class Board:
         own = rows * slots
         self.own_inflight = whole[:own].reshape(rows, slots)
         self.own_tokens = whole[own : 2 * own].reshape(rows, slots)
-        self.inflight, self.tokens, self.reported, self.load, self.base = (
-            whole[2 * own + i * slots : 2 * own + (i + 1) * slots] for i in range(5)
-        )
+        (
+            self.inflight,
+            self.tokens,
+            self.reported,
+            self.load,
+            self.base,
+            self.reported_tokens,
+            self.token_load,
+            self.token_base,
+        ) = (whole[2 * own + i * slots : 2 * own + (i + 1) * slots] for i in range(ROWS))
         self.mine = row * slots  # where this process's own rows start
         self.mine_tokens = own + row * slots
         self.inflight_base = 2 * own
@@ -70,19 +82,23 @@ class Board:
         self.reported_base = 2 * own + 2 * slots
         self.load_base = 2 * own + 3 * slots
         self.base_base = 2 * own + 4 * slots
-        self.turn_cell = 2 * own + 5 * slots
+        self.reported_tokens_base = 2 * own + 5 * slots
+        self.token_load_base = 2 * own + 6 * slots
+        self.token_base_base = 2 * own + 7 * slots
+        self.turn_cell = 2 * own + ROWS * slots
         # the rows policies read, one cell per slot (an itemgetter over slots reads many)
         self.load_cells = self.cells[self.load_base : self.load_base + slots]
-        self.tokens_cells = self.cells[self.tokens_base : self.tokens_base + slots]
+        self.token_load_cells = self.cells[self.token_load_base : self.token_load_base + slots]
         self._free: list[int] = []
         self._next = 0
 
     def close(self) -> None:
         """Let go of the buffer (shared memory cannot be closed while views of it live)."""
         del self.own_inflight, self.own_tokens, self.inflight, self.tokens
-        del self.reported, self.load, self.base
+        del self.reported, self.load, self.base, self.reported_tokens, self.token_load
+        del self.token_base
         self.load_cells.release()
-        self.tokens_cells.release()
+        self.token_load_cells.release()
         self.cells.release()
         self._view.release()
 
@@ -99,6 +115,12 @@ class Board:
 
     def load_of(self, slot: int) -> int:
         return self.cells[self.load_base + slot]
+
+    def reported_tokens_of(self, slot: int) -> int:
+        return self.cells[self.reported_tokens_base + slot]
+
+    def token_load_of(self, slot: int) -> int:
+        return self.cells[self.token_load_base + slot]
 
     # -- writing --------------------------------------------------------------------
 
@@ -123,9 +145,12 @@ class Board:
             c[self.mine_tokens + slot] += tokens
         n = c[self.inflight_base + slot] + requests
         c[self.inflight_base + slot] = n
-        c[self.tokens_base + slot] += tokens
         seen = c[self.reported_base + slot] + n - c[self.base_base + slot]
         c[self.load_base + slot] = n if n > seen else seen
+        t = c[self.tokens_base + slot] + tokens
+        c[self.tokens_base + slot] = t
+        seen = c[self.reported_tokens_base + slot] + t - c[self.token_base_base + slot]
+        c[self.token_load_base + slot] = t if t > seen else seen
 
     def set_inflight(self, slot: int, value: int) -> None:
         """Make the router's count ``value`` (counted as this process's)."""
@@ -134,18 +159,23 @@ class Board:
     def set_tokens(self, slot: int, value: int) -> None:
         self.add(slot, 0, value - self.tokens_of(slot))
 
-    def report(self, slot: int, value: int) -> None:
-        """What the engine says runs and waits there."""
+    def report(self, slot: int, value: int, tokens: int = 0) -> None:
+        """What the engine says runs and waits there, and the tokens it holds (0: it
+        does not say; then the router's own count is the token load)."""
         turn = self.turn
         if turn is not None and not turn.held:
             with turn:
-                self.report(slot, value)
+                self.report(slot, value, tokens)
             return
         c = self.cells
         c[self.reported_base + slot] = value
         n = c[self.inflight_base + slot]
         c[self.base_base + slot] = n
         c[self.load_base + slot] = n if n > value else value
+        c[self.reported_tokens_base + slot] = tokens
+        t = c[self.tokens_base + slot]
+        c[self.token_base_base + slot] = t
+        c[self.token_load_base + slot] = t if t > tokens else tokens
 
     def release(self, row: int) -> None:
         """A serving process died: what it had in flight is in flight no more."""
@@ -156,6 +186,8 @@ class Board:
         self.inflight -= self.own_inflight[row]
         self.tokens -= self.own_tokens[row]
         np.maximum(self.inflight, self.reported + self.inflight - self.base, out=self.load)
+        seen = self.reported_tokens + self.tokens - self.token_base
+        np.maximum(self.tokens, seen, out=self.token_load)
         self.own_inflight[row, :] = 0
         self.own_tokens[row, :] = 0
 

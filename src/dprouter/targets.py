@@ -132,6 +132,21 @@ class Target:
     def reported(self, value: int) -> None:
         self.board.report(self.slot, value)
 
+    def report(self, requests: int, tokens: int) -> None:
+        """What the engine last said of this rank: requests running + waiting, and the
+        tokens they hold (0: not said)."""
+        self.board.report(self.slot, requests, tokens)
+
+    @property
+    def reported_tokens(self) -> int:
+        return self.board.reported_tokens_of(self.slot)
+
+    @property
+    def token_load(self) -> int:
+        """The router's tokens in flight, or the engine's report plus what the router
+        sent since, when that is more (what ``min_tokens`` compares)."""
+        return self.board.token_load_of(self.slot)
+
     @property
     def load(self) -> int:
         """The router's own count, or the engine's when it knows of more (other clients)."""
@@ -152,12 +167,22 @@ class Outstanding:
     counts never drift and need no periodic reset. ``claim`` counts it before
     the block, in the same step as the decision (see ``processes``)."""
 
-    __slots__ = ("claimed", "target", "tokens")
+    __slots__ = ("claimed", "left", "target", "tokens")
 
-    def __init__(self, target: Target, tokens: int) -> None:
+    def __init__(self, target: Target, tokens: int, output: int = 0) -> None:
         self.target = target
-        self.tokens = tokens
+        self.tokens = tokens  # counted now: prompt + output budget left
+        self.left = output  # of which output budget, spent as the stream passes
         self.claimed = False
+
+    def spend(self, generated: int) -> None:
+        """``generated`` more output tokens went by: that much less work is left here."""
+        n = min(generated, self.left)
+        if n > 0 and self.claimed:
+            t = self.target
+            self.left -= n
+            self.tokens -= n
+            t.board.add(t.slot, 0, -n, t.worker.slot)
 
     def claim(self) -> Outstanding:
         t = self.target

@@ -82,13 +82,13 @@ class Reader:
         return self.board.load[self.index]
 
     def tokens(self) -> I64:
-        """Tokens in flight on each target."""
-        return self.board.tokens[self.index]
+        """Each target's token load (the board's: engine-reported and the router's)."""
+        return self.board.token_load[self.index]
 
     def engine_tokens(self, where: npt.NDArray[np.intp] | None = None) -> I64:
-        """Tokens in flight on each target's worker (of the pool positions ``where``)."""
+        """The token load of each target's worker (of the pool positions ``where``)."""
         index = self.worker_index if where is None else self.worker_index[where]
-        return self.board.tokens[index]
+        return self.board.token_load[index]
 
 
 class Readers:

@@ -1,9 +1,10 @@
-"""``min_tokens``: the rank with the fewest outstanding tokens (prompt + expected output).
+"""``min_tokens``: the rank with the least token load.
 
 Under DP attention an engine steps at the pace of its busiest rank, so adding
 work to the rank with the least outstanding tokens raises no engine's step
-time if it can be helped. Ties go to the engine with fewer tokens in total,
-then rotate.
+time if it can be helped. Token load is the board's: prompt + output budget
+left of the router's requests, or what the engine reports holding plus what
+was sent since, if more. Ties go to the engine with the least, then rotate.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class MinTokens:
         # the first at or after the rotating start
         r = self.start % len(targets)
         if len(found) < FEW:  # a few ties: Python beats numpy's per-call cost
-            cells, slots = reader.board.tokens_cells, reader.worker_slots
+            cells, slots = reader.board.token_load_cells, reader.worker_slots
             ties: list[int] = found.tolist()
             engine = [cells[slots[i]] for i in ties]
             fewest = min(engine)
