@@ -35,7 +35,8 @@ class Incoming:
     stream: bool
     key: str | None
     text: str
-    tokens: int
+    tokens: int  # prompt + output budget
+    output: int = 0  # the output budget (max_tokens, or DEFAULT_OUTPUT when unset)
 
 
 def _typed(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -138,4 +139,5 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         key=routing_key(headers, body),
         text=text,
         tokens=prompt_tokens + (DEFAULT_OUTPUT if limit is None else limit),
+        output=DEFAULT_OUTPUT if limit is None else limit,
     )

@@ -75,15 +75,16 @@ class Proxy:
             elif self.placer is not None and info.key is not None:
                 await self.placer.place(candidates, info)
             if self.turn is None:
-                counted = Outstanding(self.policy.select(candidates, info), incoming.tokens)
+                target = self.policy.select(candidates, info)
+                counted = Outstanding(target, incoming.tokens, incoming.output)
             else:
                 with self.turn:  # the pick and its count, in one step for all processes
                     target = self.policy.select(candidates, info)
-                    counted = Outstanding(target, incoming.tokens).claim()
+                    counted = Outstanding(target, incoming.tokens, incoming.output).claim()
             try:
                 with counted:  # counted on every exit, a claimed one too
                     return await self._attempt(
-                        request, client, counted.target, attempts, candidates, started
+                        request, client, counted, attempts, candidates, started
                     )
             except Failed as failure:
                 attempts.failed(failure)
@@ -93,12 +94,12 @@ class Proxy:
         self,
         request: web.Request,
         client: ClientRequest,
-        target: Target,
+        counted: Outstanding,
         attempts: Attempts,
         candidates: Sequence[Target],
         started: float,
     ) -> web.StreamResponse:
-        incoming = client.incoming
+        incoming, target = client.incoming, counted.target
         dialect = target.worker.dialect or "vllm"
         # each attempt writes its own rank (vLLM's in a header, SGLang's in the body)
         sent = client.headers.copy()
@@ -113,7 +114,7 @@ class Proxy:
             self.rules.judge(target, upstream, attempts.last_chance(candidates))
             try:
                 answer = await relay(
-                    request, upstream, target, self.metrics.series(target), started
+                    request, upstream, target, self.metrics.series(target), started, counted
                 )
             except UpstreamBroke as exc:
                 raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc

@@ -20,7 +20,7 @@ from multidict import CIMultiDict
 
 from dprouter.drain import grace_over
 from dprouter.metrics import TargetSeries
-from dprouter.targets import Target
+from dprouter.targets import Outstanding, Target
 
 HOP_BY_HOP = frozenset(
     {
@@ -39,6 +39,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 TARGET_HEADER = "x-dprouter-target"
+SPEND = 16  # stream events (output tokens) spent off a request's count in one board write
 CUT = web.ResponseKey("dprouter.cut", bool)  # set on a response whose stream broke off
 STREAMING = web.RequestKey("dprouter.streaming", web.StreamResponse)  # the stream under way
 
@@ -87,9 +88,11 @@ async def relay(
     target: Target,
     series: TargetSeries,
     started: float,
+    counted: Outstanding | None = None,
     extra: dict[str, str] | None = None,
 ) -> web.StreamResponse:
-    """Answer ``request`` with ``upstream``; always closes or releases ``upstream``."""
+    """Answer ``request`` with ``upstream``; always closes or releases ``upstream``. A
+    stream's events spend ``counted``'s output budget as they pass."""
     loop = asyncio.get_running_loop()
     # a multidict keeps repeated headers (two Set-Cookie, say) that a dict would merge away
     headers = CIMultiDict(
@@ -112,7 +115,7 @@ async def relay(
             resp = web.StreamResponse(status=upstream.status, headers=headers)
             await resp.prepare(request)
             request[STREAMING] = resp  # begun: whatever happens, this is the answer
-            await _stream(resp, upstream, target, series, started)
+            await _stream(resp, upstream, target, series, started, counted)
         done = True
     finally:
         if done:
@@ -130,12 +133,18 @@ async def _stream(
     target: Target,
     series: TargetSeries,
     started: float,
+    counted: Outstanding | None,
 ) -> None:
     """Pass the stream on. An engine that breaks it off, or the end of the router's grace
-    period, still leaves the client a well-formed ending: an error event and ``[DONE]``."""
+    period, still leaves the client a well-formed ending: an error event and ``[DONE]``.
+
+    Each event is taken for one output token (vLLM and SGLang stream a token per
+    event by default) and spent off the request's count in batches of ``SPEND``:
+    one board write per batch, not per token."""
     loop = asyncio.get_running_loop()
     tail = b"\n\n"  # the last bytes written: an event boundary, or not
     first = True
+    events = 0
     try:
         async for chunk in upstream.content.iter_any():
             if first:
@@ -143,6 +152,11 @@ async def _stream(
                 first = False
             await resp.write(chunk)
             tail = chunk[-2:] if len(chunk) > 1 else (tail + chunk)[-2:]
+            if counted is not None:
+                events += chunk.count(b"\n\n")
+                if events >= SPEND:
+                    counted.spend(events)
+                    events = 0
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         timed_out = isinstance(exc, TimeoutError)
         series.failed("stream_timeout" if timed_out else "stream_cut")

@@ -51,6 +51,8 @@ class Call:
     last_chance: dict[Side, bool] = field(default_factory=dict)
     # per attempt, several serving processes: each leg counted in the step of the decision
     claimed: dict[Side, Outstanding] = field(default_factory=dict)
+    # the decode leg's count, whose output budget its stream spends
+    decoding: Outstanding | None = None
 
     @property
     def incoming(self) -> Incoming:
@@ -70,8 +72,12 @@ class Call:
         found = self.claimed.get(side)
         if found is not None and found.target is target:
             del self.claimed[side]
-            return found
-        return Outstanding(target, self.incoming.tokens)
+        else:
+            output = self.incoming.output if side == "decode" else 0
+            found = Outstanding(target, self.incoming.tokens, output)
+        if side == "decode":
+            self.decoding = found
+        return found
 
     def release(self) -> None:
         """The attempt is over: a leg claimed with the decision that never ran is
@@ -131,6 +137,7 @@ class Call:
                 target,
                 self.metrics.series(target),
                 self.started,
+                self.decoding if self.decoding and self.decoding.target is target else None,
                 {PREFILL_HEADER: prefill.label},
             )
         except UpstreamBroke as exc:

@@ -105,7 +105,7 @@ class PairProxy:
                     tokens = incoming.tokens
                     call.claimed = {
                         "prefill": Outstanding(prefill, tokens).claim(),
-                        "decode": Outstanding(decode, tokens).claim(),
+                        "decode": Outstanding(decode, tokens, incoming.output).claim(),
                     }
             call.last_chance = {
                 "prefill": attempts.last_chance(prefills),
