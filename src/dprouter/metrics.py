@@ -30,6 +30,17 @@ class _Live(Collector):
         reported = GaugeMetricFamily(
             "dprouter_engine_load", "Running + waiting the engine last reported.", labels=TARGET
         )
+        engine_tokens = GaugeMetricFamily(
+            "dprouter_engine_tokens",
+            "Tokens the engine last reported holding (KV cache; SGLang: + queued uncached).",
+            labels=TARGET,
+        )
+        token_load = GaugeMetricFamily(
+            "dprouter_token_load",
+            "Tokens min_tokens compares: the router's in flight (prompt + output budget "
+            "left), or the engine's report plus what was sent since, if more.",
+            labels=TARGET,
+        )
         ready = GaugeMetricFamily(
             "dprouter_worker_ready",
             "1 when the worker is discovered and routable.",
@@ -46,8 +57,12 @@ class _Live(Collector):
             for t in w.targets:
                 outstanding.add_metric([w.role, w.id, t.rank_label], t.outstanding)
                 reported.add_metric([w.role, w.id, t.rank_label], t.reported)
+                engine_tokens.add_metric([w.role, w.id, t.rank_label], t.reported_tokens)
+                token_load.add_metric([w.role, w.id, t.rank_label], t.token_load)
         yield outstanding
         yield reported
+        yield engine_tokens
+        yield token_load
         yield ready
         yield stale
 

@@ -12,6 +12,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dprouter import load
 from dprouter.config import RouterConfig, WorkerSpec
 from e2e import vllm_server
 from tests.conftest import StartRouter, until
@@ -119,6 +120,35 @@ async def test_streams_pass_through_and_a_client_disconnect_stops_generation(
     SUMMARY.append(f"client left a 400-token stream: engine running after {dict(running)}")
     assert sum(running.values()) == 0
     assert all(t.outstanding == 0 for t in router.registry.targets())
+
+
+async def test_the_token_series_read_is_the_one_vllm_exports(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url),)))
+    (worker,) = router.registry.workers.values()
+    async with http.get(vllm_dp2.url + "/metrics") as r:
+        text = await r.text()
+    assert "vllm:cache_config_info{" in text and "vllm:kv_cache_usage_perc{" in text
+    assert await load.scrape(http, worker) == {0: (0, 0), 1: (0, 0)}  # idle: nothing held
+    long = {**BODY, "prompt": "hello there " * 200, "max_tokens": 400, "stream": True}
+    seen: dict[int, tuple[int, int]] = {}
+    async with http.post(router.url + "/v1/completions", json=long) as resp:
+        rank = int(resp.headers["x-dprouter-target"].split("/")[1])
+        # the engine publishes its stats a step late, and two cores run it slowly: poll
+        for _ in range(100):
+            seen = await load.scrape(http, worker)
+            if seen[rank][1] > 0:
+                break
+            await asyncio.sleep(0.05)
+        await resp.read()
+    SUMMARY.append(f"a 600-token prompt on rank {rank}: (requests, KV tokens) read {seen}")
+    assert seen[rank][1] >= 600 and seen[1 - rank] == (0, 0)  # on the rank it was sent to
+    for _ in range(100):  # and freed when it ended
+        if (seen := await load.scrape(http, worker))[rank][1] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert seen[rank] == (0, 0)
 
 
 async def test_a_rank_the_engine_would_reject_is_never_sent(

@@ -56,6 +56,18 @@ class VllmCollector(Collector):
             success.add_metric([str(r.index), model, "length"], r.stats.success)
             success.add_metric([str(r.index), model, "abort"], r.stats.aborted)
         yield success
+        # what vLLM exports once per engine (``log_metrics_info``): its CacheConfig as
+        # labels of a gauge set to 1; a router reads the KV capacity from it
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"],
+        )
+        for r in ranks:
+            limits = r.limits
+            blocks = str(limits.kv_tokens // limits.block_size)
+            info.add_metric([str(limits.block_size), "True", blocks, str(r.index)], 1.0)
+        yield info
         for name, doc, attr in COUNTERS:
             c = CounterMetricFamily(name, doc, labels=LABELS)
             for r in ranks:

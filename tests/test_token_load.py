@@ -1,0 +1,120 @@
+"""Token load: what the engines report they hold, fused with what the router sent, and the
+output budget a stream spends as its tokens pass."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from dprouter.board import Board
+from dprouter.config import RouterConfig
+from dprouter.load import sglang_load, vllm_loads
+from dprouter.sim.config import EngineConfig, Persona
+from tests.conftest import StartCluster, StartRouter, until, workers
+
+LONG = "a rather long prompt that fills the cache " * 60  # ~2,500 characters
+
+
+def test_reported_tokens_count_with_what_was_sent_since() -> None:
+    board = Board(slots=4)
+    board.add(1, 1, 100)
+    assert board.token_load_of(1) == 100  # nothing reported: the router's own count
+    board.report(1, 3, 5_000)  # the engine holds more (another router's requests)
+    assert board.token_load_of(1) == 5_000
+    board.add(1, 1, 300)  # sent since the report: not in it yet
+    assert board.token_load_of(1) == 5_300
+    board.add(1, 0, -50)  # a stream spent some of its output budget
+    assert board.token_load_of(1) == 5_250
+    board.report(1, 2, 10)  # the engine holds little: the router's own count stands
+    assert board.token_load_of(1) == 350
+
+
+def test_vllm_tokens_are_kv_usage_times_the_engines_capacity() -> None:
+    text = "".join(
+        f'vllm:num_requests_running{{engine="{e}",model_name="m"}} {e}.0\n'
+        f'vllm:num_requests_waiting{{engine="{e}",model_name="m"}} 1.0\n'
+        f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} {0.25 * e}\n'
+        f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",engine="{e}",'
+        f'num_gpu_blocks="1000"}} 1.0\n'
+        for e in range(3)
+    )
+    assert vllm_loads(text) == {0: (1, 0), 1: (2, 4_000), 2: (3, 8_000)}
+    assert vllm_loads(text.replace("cache_config_info", "other_info")) == {
+        0: (1, 0),
+        1: (2, 0),  # no capacity known: no tokens
+        2: (3, 0),
+    }
+
+
+def test_sglang_tokens_are_used_plus_queued_uncached() -> None:
+    entry: dict[str, object] = {"dp_rank": 1, "num_running_reqs": 2, "num_waiting_reqs": 1}
+    entry |= {"num_used_tokens": 900, "num_waiting_uncached_tokens": 100}
+    assert sglang_load(entry) == (3, 1_000)
+    assert sglang_load({"num_running_reqs": 1}) == (1, 0)
+
+
+@pytest.mark.parametrize("persona", ["vllm", "sglang"])
+async def test_a_rank_whose_engine_holds_many_tokens_gets_no_new_work_under_min_tokens(
+    persona: Persona,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(persona=persona, dp_size=2)])).servers
+    router = await start_router(
+        RouterConfig(workers=workers(engine.url), policy="min_tokens", load_interval=0.05)
+    )
+    rank0, rank1 = router.registry.targets()
+
+    async def elsewhere() -> None:  # another client fills rank 0's cache behind the router
+        if persona == "vllm":
+            url, body = engine.url + "/v1/completions", {"prompt": LONG, "max_tokens": 400}
+            headers = {"X-data-parallel-rank": "0"}
+        else:
+            url, headers = engine.url + "/generate", {}
+            body = {
+                "text": LONG,
+                "sampling_params": {"max_new_tokens": 400},
+                "data_parallel_rank": 0,
+            }
+        async with http.post(url, json=body, headers=headers) as r:
+            await r.read()
+
+    task = asyncio.create_task(elsewhere())
+    try:
+        assert await until(lambda: rank0.reported_tokens > 300)
+        assert rank0.outstanding_tokens == rank1.outstanding_tokens == 0  # equal, for the router
+        ranks = []
+        for _ in range(4):
+            body = {"prompt": "short", "max_tokens": 8}
+            async with http.post(router.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                ranks.append(r.headers["x-sim-dp-rank"])
+        assert ranks == ["1"] * 4
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_streamed_requests_count_falls_as_its_tokens_pass(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=1)])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url), load_interval=0))
+    (target,) = router.registry.targets()
+    seen: list[int] = []
+    body = {"prompt": "count me down", "max_tokens": 120, "stream": True}
+    async with http.post(router.url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        async for _ in r.content.iter_any():
+            seen.append(target.outstanding_tokens)
+    assert seen[0] >= 120  # prompt + the whole budget, at first
+    assert seen[-1] < seen[0] - 90  # most of the budget spent by the end of the stream
+    assert seen == sorted(seen, reverse=True)  # never back up
+    assert target.outstanding_tokens == 0 and target.worker.outstanding_tokens == 0
+    # a request that is not streamed keeps its whole count until it ends
+    async with http.post(router.url + "/v1/completions", json=body | {"stream": False}) as r:
+        assert r.status == 200
+    assert target.outstanding_tokens == 0
