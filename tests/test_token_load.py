@@ -10,7 +10,9 @@ import pytest
 
 from dprouter.board import Board
 from dprouter.config import RouterConfig
+from dprouter.estimate import OutputEstimate, completion_tokens
 from dprouter.load import sglang_load, vllm_loads
+from dprouter.parse import DEFAULT_OUTPUT
 from dprouter.sim.config import EngineConfig, Persona
 from tests.conftest import StartCluster, StartRouter, until, workers
 
@@ -118,3 +120,41 @@ async def test_a_streamed_requests_count_falls_as_its_tokens_pass(
     async with http.post(router.url + "/v1/completions", json=body | {"stream": False}) as r:
         assert r.status == 200
     assert target.outstanding_tokens == 0
+
+
+def test_completion_tokens_are_read_from_a_whole_answer() -> None:
+    vllm = b'{"id":"x","choices":[],"usage":{"prompt_tokens":5,"completion_tokens": 37}}'
+    assert completion_tokens(vllm) == 37
+    sglang = b'{"text":"hi","meta_info":{"prompt_tokens":3,"completion_tokens":12,"e2e":0.1}}'
+    assert completion_tokens(sglang) == 12
+    assert completion_tokens(b'{"usage":{"completion_tokens":null}}') is None
+    assert completion_tokens(b'{"data":[]}') is None
+
+
+def test_a_budget_is_the_cap_until_lengths_are_known_then_the_typical_length() -> None:
+    estimate = OutputEstimate()
+    assert estimate.budget(12_000) == 12_000 and estimate.budget(None) == DEFAULT_OUTPUT
+    for _ in range(100):
+        estimate.observe(300)
+    assert estimate.budget(12_000) == 300  # what requests really run to
+    assert estimate.budget(100) == 100  # never above the cap
+    assert estimate.budget(0) == 0  # SGLang prefill only
+
+
+async def test_requests_are_counted_by_the_output_they_typically_run_to(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=1)])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url), load_interval=0))
+    (target,) = router.registry.targets()
+    for _ in range(3):  # whole answers: their usage tells the length
+        body = {"prompt": "short", "max_tokens": 20}
+        async with http.post(router.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+    body = {"prompt": "a cap far above", "max_tokens": 5_000, "stream": True}
+    r = await http.post(router.url + "/v1/completions", json=body)
+    await r.content.readuntil(b"\n\n")
+    counted = target.outstanding_tokens
+    r.close()  # the client leaves: 5,000 tokens would take the simulator 30 s
+    assert 20 <= counted < 40  # prompt + ~20, not prompt + 5,000
+    assert await until(lambda: target.outstanding_tokens == 0)

@@ -26,6 +26,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from dprouter.breaker import Breakers
+from dprouter.estimate import OutputEstimate
 from dprouter.metrics import RouterMetrics
 from dprouter.relay import CUT, error
 from dprouter.targets import Target, Worker
@@ -83,6 +84,7 @@ class Rules:
         self.backoff = backoff
         self.connect_timeout = connect_timeout
         self.jitter = random.Random(seed)
+        self.output = OutputEstimate()  # typical output lengths, learned from the answers
         fb = first_byte_timeout  # the answer must start in time; off: no timer per request
         self.first_byte = (lambda: asyncio.timeout(fb)) if fb else (lambda: NO_TIMER)
 

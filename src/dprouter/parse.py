@@ -37,6 +37,8 @@ class Incoming:
     text: str
     tokens: int  # prompt + output budget
     output: int = 0  # the output budget (max_tokens, or DEFAULT_OUTPUT when unset)
+    prompt_tokens: int = 0  # estimated
+    limit: int | None = None  # max_tokens as sent; None: unset
 
 
 def _typed(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -140,4 +142,6 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         text=text,
         tokens=prompt_tokens + (DEFAULT_OUTPUT if limit is None else limit),
         output=DEFAULT_OUTPUT if limit is None else limit,
+        prompt_tokens=prompt_tokens,
+        limit=limit,
     )

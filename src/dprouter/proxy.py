@@ -20,6 +20,7 @@ from dprouter import dialects
 from dprouter.attempts import Attempts, Failed, Rules
 from dprouter.cancel import Aborter, ensure_rid
 from dprouter.config import RouterConfig
+from dprouter.estimate import learn
 from dprouter.inbound import ClientRequest, read_request
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Incoming, Kind
@@ -57,6 +58,7 @@ class Proxy:
         if isinstance(client, web.Response):
             return client
         incoming = client.incoming
+        self.rules.output.apply(incoming)  # counted by its likely output, not its cap
         pool = self._pool(kind, incoming, client.pinned)
         if isinstance(pool, web.Response):
             return pool
@@ -119,6 +121,7 @@ class Proxy:
             except UpstreamBroke as exc:
                 raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
             attempts.answered(answer, target)
+            learn(self.rules.output, answer, counted)
             return answer
 
     def _pool(

@@ -174,6 +174,8 @@ async def _stream(
             message = "the router stopped: its grace period ran out before this stream ended"
             await _last_words(resp, tail, sse_error(503, message))
         raise  # on, so that the engine is told (connection closed, SGLang aborted)
+    if counted is not None:
+        counted.spend(max(events - 1, 0))  # the rest, less the closing [DONE]
     await resp.write_eof()
 
 

@@ -167,16 +167,18 @@ class Outstanding:
     counts never drift and need no periodic reset. ``claim`` counts it before
     the block, in the same step as the decision (see ``processes``)."""
 
-    __slots__ = ("claimed", "left", "target", "tokens")
+    __slots__ = ("claimed", "left", "seen", "target", "tokens")
 
     def __init__(self, target: Target, tokens: int, output: int = 0) -> None:
         self.target = target
         self.tokens = tokens  # counted now: prompt + output budget left
         self.left = output  # of which output budget, spent as the stream passes
+        self.seen = 0  # output tokens seen go by
         self.claimed = False
 
     def spend(self, generated: int) -> None:
         """``generated`` more output tokens went by: that much less work is left here."""
+        self.seen += generated
         n = min(generated, self.left)
         if n > 0 and self.claimed:
             t = self.target

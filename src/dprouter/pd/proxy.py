@@ -21,6 +21,7 @@ from aiohttp import web
 from dprouter.attempts import Failed, Rules, Side
 from dprouter.cancel import Aborter
 from dprouter.config import RouterConfig
+from dprouter.estimate import learn
 from dprouter.inbound import ClientRequest, read_request
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Kind
@@ -76,6 +77,7 @@ class PairProxy:
         if isinstance(pools, web.Response):
             return pools
         incoming = client.incoming
+        self.rules.output.apply(incoming)  # counted by its likely output, not its cap
         call = Call(request, client, started, self.rules, self.aborter)
         info = RequestInfo(
             key=incoming.key, text=incoming.text, tokens=incoming.tokens, now=started
@@ -119,6 +121,8 @@ class PairProxy:
             finally:
                 call.release()
             attempts.answered(answer, prefill, decode)
+            if call.decoding is not None:
+                learn(self.rules.output, answer, call.decoding)
             return answer
         return attempts.give_up("prefill/decode pair")
 

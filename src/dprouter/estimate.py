@@ -1,0 +1,74 @@
+"""How many output tokens a request will run to, guessed at admission.
+
+A client's ``max_tokens`` is a cap, not a length: an RL rollout sends the
+longest response it allows (12,000, say) and most decodes stop far short of
+it. Counting the cap makes every request weigh the same, and hides the one
+thing that differs between ranks: which decodes run long. So a request's
+output budget is ``min(max_tokens, typical)``, where ``typical`` is a moving
+average of the output lengths of the requests this router saw finish (a
+stream's events as they pass; a whole answer's ``usage.completion_tokens``,
+or SGLang's ``meta_info.completion_tokens``). Until one has finished, the cap
+(or ``DEFAULT_OUTPUT`` without one) stands. A decode that runs past its
+budget weighs its prompt alone in the router's count; the engine's report of
+the tokens it holds (see ``board``) is what shows it then.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from dprouter.parse import DEFAULT_OUTPUT, Incoming
+from dprouter.relay import CUT
+from dprouter.targets import Outstanding
+
+WEIGHT = 0.05  # of each new length in the average: about the last 20 requests count
+USAGE = b'"completion_tokens":'
+
+
+def completion_tokens(body: bytes) -> int | None:
+    """``completion_tokens`` of a whole JSON answer, found without parsing it all (the
+    last one: SGLang's batches list one per prompt, the usage block comes last)."""
+    at = body.rfind(USAGE)
+    if at < 0:
+        return None
+    digits = body[at + len(USAGE) : at + len(USAGE) + 12].lstrip()
+    end = 0
+    while end < len(digits) and 48 <= digits[end] <= 57:
+        end += 1
+    return int(digits[:end]) if end else None
+
+
+class OutputEstimate:
+    def __init__(self) -> None:
+        self.typical: float | None = None
+
+    def observe(self, generated: int) -> None:
+        """A request finished after ``generated`` output tokens."""
+        t = self.typical
+        self.typical = float(generated) if t is None else t + WEIGHT * (generated - t)
+
+    def budget(self, limit: int | None) -> int:
+        """The output tokens to count for a request whose cap is ``limit`` (None: unset)."""
+        cap = DEFAULT_OUTPUT if limit is None else limit
+        if self.typical is None:
+            return cap
+        return min(cap, round(self.typical))
+
+    def apply(self, incoming: Incoming) -> None:
+        """Count ``incoming`` by its budget: prompt + min(cap, typical)."""
+        incoming.output = self.budget(incoming.limit)
+        incoming.tokens = incoming.prompt_tokens + incoming.output
+
+
+def learn(estimate: OutputEstimate, answer: web.StreamResponse, counted: Outstanding) -> None:
+    """What a good answer tells of output lengths: a whole answer its usage, a stream
+    the events that went by."""
+    if answer.status != 200 or answer.get(CUT):
+        return
+    if isinstance(answer, web.Response):
+        body = answer.body
+        found = completion_tokens(body) if isinstance(body, bytes) else None
+        if found is not None:
+            estimate.observe(found)
+    elif counted.seen:
+        estimate.observe(counted.seen)
