@@ -219,3 +219,31 @@ def test_manual_min_group_places_keys_as_the_plain_count_does(shape: tuple[int, 
         placed = manual.select(targets, RequestInfo(key=f"k{i}"))
         assert placed is expected
         counts[placed.label] += 1
+
+
+def test_manual_moves_a_key_off_a_target_pushed_past_the_bound_and_only_then() -> None:
+    _, targets = fleet(4)
+    manual = make_policy("manual", PolicyOptions(assignment="min_load", session_bound=1.5))
+    home = manual.select(targets, RequestInfo(key="a", now=0.0))
+    board = home.board
+    for t in targets:
+        t.outstanding = 4
+    home.outstanding = 9  # mean 5.25: 9 < 1.5 x 5.25 + 2 = 9.9, within the bound
+    assert manual.select(targets, RequestInfo(key="a", now=1.0)) is home
+    assert board.moves == 0
+    targets[3].outstanding = 1
+    home.outstanding = 12  # mean 5.25: past the bound
+    moved = manual.select(targets, RequestInfo(key="a", now=2.0))
+    assert moved is targets[3] and board.moves == 1  # to the least loaded, counted
+    home.outstanding = 0
+    assert manual.select(targets, RequestInfo(key="a", now=3.0)) is moved  # for good
+    idle = make_policy("manual", PolicyOptions(session_bound=1.5))
+    for t in targets:
+        t.outstanding = 0
+    first = idle.select(targets, RequestInfo(key="b", now=0.0))
+    first.outstanding = 1  # light load never moves a key
+    assert idle.select(targets, RequestInfo(key="b", now=1.0)) is first
+    never = make_policy("manual", PolicyOptions(session_bound=0))
+    kept = never.select(targets, RequestInfo(key="c", now=0.0))
+    kept.outstanding = 100
+    assert never.select(targets, RequestInfo(key="c", now=1.0)) is kept

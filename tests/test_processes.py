@@ -136,7 +136,10 @@ async def test_a_key_on_20_connections_always_reaches_one_target(
     assignment: str | None,
 ) -> None:
     cluster = await start_cluster([EngineConfig(dp_size=4), EngineConfig(dp_size=4)])
-    config = RouterConfig(workers=workers(*cluster.urls), policy=policy, assignment=assignment)
+    # 20 at once on one key would push its target past --session-bound: keys stay put here
+    config = RouterConfig(
+        workers=workers(*cluster.urls), policy=policy, assignment=assignment, session_bound=0
+    )
     sup = await start_processes(config)
     for key in ("alice", "bob"):
         seen = await asyncio.gather(
@@ -331,7 +334,10 @@ async def test_pd_a_key_on_20_connections_always_reaches_one_pair(
     )
     prefill, decode = cluster.servers
     specs = (WorkerSpec(prefill.url, role="prefill"), WorkerSpec(decode.url, role="decode"))
-    config = RouterConfig(pd="vllm-nixl", workers=specs, policy="manual", assignment=assignment)
+    # 20 at once on one key would push its pair past --session-bound: keys stay put here
+    config = RouterConfig(
+        pd="vllm-nixl", workers=specs, policy="manual", assignment=assignment, session_bound=0
+    )
     sup = await start_processes(config)
 
     async def keyed(key: str) -> tuple[str, str]:

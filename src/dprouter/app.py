@@ -211,6 +211,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 placers[side] = Placer(parts.control, policy, side)
             elif (claimed := claims(parts.sources, policy, side)) is not None:
                 placers[side] = claimed
+            if side in placers:
+                policy.bound = 0  # the table's owner (the parent, etcd's claim) moves keys
         parts.proxy = PairProxy(
             config,
             parts.registry,
@@ -227,6 +229,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             placer = Placer(parts.control, parts.policy)
         elif isinstance(parts.policy, Manual):
             placer = claims(parts.sources, parts.policy)
+        if placer is not None and isinstance(parts.policy, Manual):
+            parts.policy.bound = 0  # the table's owner (the parent, etcd's claim) moves keys
         if isinstance(parts.monitor, Follower) and isinstance(parts.policy, CacheAware):
             share_prefixes(parts.monitor, parts.policy)
         parts.proxy = Proxy(

@@ -23,7 +23,9 @@ request counted in one process is seen by the next decision in any process.
 Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
 ``inflight[slots]``, ``tokens[slots]``, ``reported[slots]``, ``load[slots]``,
 ``base[slots]``, ``reported_tokens[slots]``, ``token_load[slots]``,
-``token_base[slots]``, then one cell: the row (+1) holding the turn, 0 if none.
+``token_base[slots]``, then two cells: the row (+1) holding the turn, 0 if none;
+the routing keys ``manual`` moved off overloaded targets (one writer: the
+process that owns the key table).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ ROWS = 8  # whole-router rows
 
 
 def size_of(rows: int, slots: int = SLOTS) -> int:
-    return ((2 * rows + ROWS) * slots + 1) * 8
+    return ((2 * rows + ROWS) * slots + 2) * 8
 
 
 class Board:
@@ -86,6 +88,7 @@ class Board:
         self.token_load_base = 2 * own + 6 * slots
         self.token_base_base = 2 * own + 7 * slots
         self.turn_cell = 2 * own + ROWS * slots
+        self.moves_cell = self.turn_cell + 1
         # the rows policies read, one cell per slot (an itemgetter over slots reads many)
         self.load_cells = self.cells[self.load_base : self.load_base + slots]
         self.token_load_cells = self.cells[self.token_load_base : self.token_load_base + slots]
@@ -122,7 +125,15 @@ class Board:
     def token_load_of(self, slot: int) -> int:
         return self.cells[self.token_load_base + slot]
 
+    @property
+    def moves(self) -> int:
+        return self.cells[self.moves_cell]
+
     # -- writing --------------------------------------------------------------------
+
+    def moved(self) -> None:
+        """A routing key left an overloaded target."""
+        self.cells[self.moves_cell] += 1
 
     def add(self, slot: int, requests: int, tokens: int, also: int = -1) -> None:
         """Count ``requests`` and ``tokens`` on ``slot`` (and on ``also``: a target's

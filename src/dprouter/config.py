@@ -56,6 +56,7 @@ class RouterConfig:
     forward_authorization: bool = False  # pass clients' Authorization on to the engines
     seed: int = 0
     key_ttl: float = 3600.0
+    session_bound: float = 1.5  # manual: a key leaves a target at bound x mean load + 2; 0: never
     max_body: int = 32 << 20
     backlog: int = 4096
     attempts: int = 3  # tries per request before the first byte, each on another target
@@ -110,6 +111,7 @@ class RouterConfig:
             seed=self.seed,
             assignment=self.assignment or "random",  # type: ignore[arg-type]
             key_ttl=self.key_ttl,
+            session_bound=self.session_bound,
         )
 
 
@@ -189,6 +191,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         "total_timeout",
         "read_timeout",
         "key_ttl",
+        "session_bound",
         "startup_timeout",
     ):
         if getattr(config, name) < 0:

@@ -215,6 +215,8 @@ class ControlPlane:
         if sessions is None:
             sessions = self.sessions[role] = Manual(self.config.policy_options())
             self._claims[role] = claims(self.sources, sessions, role)
+            if self._claims[role] is not None:
+                sessions.bound = 0  # a claim in etcd holds the key: moving it is left undone
         info = RequestInfo(key=asked["key"], now=now)
         if (claimed := self._claims[role]) is not None:  # several replicas: claimed in etcd
             await claimed.place(candidates, info)

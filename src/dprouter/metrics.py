@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -52,6 +52,11 @@ class _Live(Collector):
             "keeps routing.",
         )
         stale.add_metric([], 1.0 if self.registry.stale else 0.0)
+        moves = CounterMetricFamily(
+            "dprouter_session_moves",
+            "Routing keys manual moved off a target loaded past --session-bound.",
+        )
+        moves.add_metric([], self.registry.board.moves)
         for w in self.registry.workers.values():
             ready.add_metric([w.id], 1.0 if w.ready else 0.0)
             for t in w.targets:
@@ -65,6 +70,7 @@ class _Live(Collector):
         yield token_load
         yield ready
         yield stale
+        yield moves
 
 
 class TargetSeries:

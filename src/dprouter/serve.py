@@ -157,6 +157,14 @@ def make_config(
     help="manual: forget a routing key idle this many seconds.",
 )
 @click.option(
+    "--session-bound",
+    type=click.FloatRange(min=0),
+    default=1.5,
+    show_default=True,
+    help="manual: a routing key moves off its target once that target's load reaches this "
+    "many times the mean load + 2 (0: keys never move for load).",
+)
+@click.option(
     "--max-body",
     type=click.IntRange(min=1),
     default=32 << 20,

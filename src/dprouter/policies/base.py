@@ -34,6 +34,7 @@ class PolicyOptions:
     seed: int = 0
     assignment: Assignment = "random"  # manual: how a new key is placed
     key_ttl: float = 3600.0  # manual: an idle key is forgotten after this many seconds
+    session_bound: float = 1.5  # manual: a key leaves a target loaded past bound x mean + 2
     cache_threshold: float = 0.5  # cache_aware: least prefix share that keeps affinity
     balance_abs: int = 32  # cache_aware: load gap that triggers balancing...
     balance_rel: float = 1.5  # ...when the busiest also has this many times the least

@@ -2,10 +2,16 @@
 
 New keys are placed by the assignment mode -- ``random``, ``min_load`` (fewest
 outstanding) or ``min_group`` (fewest keys already stuck to it). A key moves
-only when its target leaves the snapshot (removed or unhealthy; a retry
-elsewhere after one failed attempt leaves the key where it was); keys idle
-longer than ``key_ttl`` are forgotten. Requests with no key go to the least
-loaded target.
+when its target leaves the snapshot (removed or unhealthy; a retry elsewhere
+after one failed attempt leaves the key where it was), and when its target is
+overloaded: a key **yields** -- moves for good to the least loaded target --
+when its target's load is at least ``session_bound`` x the mean load of the
+candidates + 2 (load: the board's, in flight and engine-reported). The + 2
+keeps light load from ever moving a session (its prefix cache is worth more
+than one request of imbalance); the bound caps what one rank can be handed
+beyond its share (bounded-load consistent hashing's rule, with slack). 0
+turns yielding off. Keys idle longer than ``key_ttl`` are forgotten. Requests
+with no key go to the least loaded target.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class Manual:
         self.rng = make_rng(options)
         self.assignment = options.assignment
         self.ttl = options.key_ttl
+        # 0: never yield (a process that follows another table: the table's owner yields)
+        self.bound = options.session_bound
         self.sticky: OrderedDict[str, tuple[Target, float]] = OrderedDict()  # oldest use first
         self.start = 0
         self.readers = Readers()
@@ -52,6 +60,12 @@ class Manual:
         held = self.sticky.get(key)
         if held is not None and held[0] in targets:
             target = held[0]
+            if self.bound and len(targets) > 1 and self._overloaded(targets, target):
+                self.count(target, -1)
+                self.start += 1
+                target = least_loaded(targets, self.start, self.readers.of(targets))
+                self.count(target, 1)
+                target.board.moved()
         elif held is not None and request.attempt > 0:
             return self._assign(targets)  # one failed attempt does not move the key for good
         else:
@@ -94,6 +108,13 @@ class Manual:
                 if self._owner.get(t.slot) is not t:
                     self._own(t)
         return targets[first_least(reader.read(self.keys_on), self.start)]
+
+    def _overloaded(self, targets: Sequence[Target], target: Target) -> bool:
+        load = target.board.load_of(target.slot)
+        if load < 2:
+            return False  # under any bound: no need to read the others
+        total = int(self.readers.of(targets).loads().sum())
+        return load * len(targets) >= self.bound * total + 2 * len(targets)
 
     def _expire(self, now: float) -> None:
         sticky = self.sticky
