@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from e2e.sglang.server import SglangServer
 
+from dprouter import load
 from dprouter.config import RouterConfig, WorkerSpec
 from tests.conftest import StartRouter, until
 from tests.e2e.conftest import SUMMARY
@@ -153,6 +154,36 @@ async def test_a_session_sticks_to_one_attention_dp_rank(
         ranks.append((await send())[1]["meta_info"]["dp_rank"])
     SUMMARY.append(f"sglang_attn2: session 'a', 6 /generate -> engine dp_rank {ranks}")
     assert len(set(ranks)) == 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_the_token_counts_read_are_the_ones_sglang_reports_per_rank(
+    request: pytest.FixtureRequest,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    layout: str,
+) -> None:
+    """``num_used_tokens`` + ``num_waiting_uncached_tokens`` of ``/v1/loads``, per rank, the
+    attention-DP ranks included: they rise on the rank that runs a long prompt."""
+    server: SglangServer = request.getfixturevalue(layout)
+    router = await start_router(config(server))
+    (worker,) = router.registry.workers.values()
+    body = {"model": "tiny", "prompt": prompt() * 20, "max_tokens": 1000, "ignore_eos": True}
+    resp = await http.post(router.url + "/v1/completions", json={**body, "stream": True})
+    assert resp.status == 200
+    rank = int(resp.headers["x-dprouter-target"].split("/")[1])
+    seen: dict[int, tuple[int, int]] = {}
+    try:
+        for _ in range(100):  # the engine's count can lag the first events
+            seen = await load.scrape(http, worker)
+            if seen[rank][1] > 0:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        resp.close()
+    SUMMARY.append(f"{layout}: a long prompt on rank {rank}: (requests, tokens) read {seen}")
+    assert seen[rank][0] == 1 and seen[rank][1] >= 200  # the prompt's tokens, at least
+    assert seen[1 - rank][0] == 0
 
 
 async def test_a_client_that_leaves_a_long_stream_frees_its_rank(

@@ -4,7 +4,13 @@ Targets are built from the simulated engines exactly as the router builds them
 from live workers (one per rank when DP-aware, one per engine when not), and a
 request's outstanding count is held from routing until the engine finishes it
 -- the same load signal the router keeps -- so routing quality measured here is
-the policies' own.
+the policies' own. A request weighs what the router would count: its prompt
+plus its output budget, ``min(max_tokens sent, typical output)`` as the
+router's ``OutputEstimate`` learns it (``Arrival.limit`` is what the client
+sent); an ``oracle`` router weighs it by the output it will really run to,
+which no router knows at admission. With ``scrape`` the engines' per-rank
+reports (running + waiting, tokens held) reach the board every ``scrape``
+virtual seconds, as the router's monitor reads them.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from dprouter.estimate import OutputEstimate
+from dprouter.load import assign
 from dprouter.policies import Policy, PolicyOptions, RequestInfo, make_policy
 from dprouter.registry import Registry
 from dprouter.sim.config import EngineConfig
@@ -30,7 +38,13 @@ class SimRouter:
         policy: str | Policy,
         dp_aware: bool = True,
         options: PolicyOptions | None = None,
+        oracle: bool = False,
+        scrape: float = 0.0,
     ) -> None:
+        self.oracle = oracle
+        self.scrape = scrape
+        self._scraped = -float("inf")
+        self.output = OutputEstimate()  # as the router learns it from its answers
         self.registry = Registry(dp_aware=dp_aware)
         for i, c in enumerate(configs):
             worker = Worker(id=f"e{i}", url=f"http://sim-{i}:1", dialect="vllm")
@@ -44,12 +58,16 @@ class SimRouter:
         self.decisions = 0
 
     def route(self, cluster: Cluster, arrival: Arrival) -> tuple[int, int | None]:
+        if self.scrape and cluster.now - self._scraped >= self.scrape:
+            self._report(cluster)
         text = " ".join(map(str, arrival.prompt_ids[:512]))  # affinity sees the prompt's start
-        tokens = len(arrival.prompt_ids) + arrival.max_tokens
+        known = arrival.limit is None or self.oracle
+        output = arrival.max_tokens if known else self.output.budget(arrival.limit)
+        tokens = len(arrival.prompt_ids) + output
         target: Target = self.policy.select(
             self.pool, RequestInfo(key=arrival.key, text=text, tokens=tokens, now=cluster.now)
         )
-        guard = Outstanding(target, tokens)
+        guard = Outstanding(target, tokens, output)
         guard.__enter__()
         self.held[id(arrival)] = guard
         self.decisions += 1
@@ -57,6 +75,21 @@ class SimRouter:
 
     def finished(self, arrival: Arrival, req: SimRequest) -> None:
         self.held.pop(id(arrival)).__exit__(None, None, None)
+        self.output.observe(req.generated)
+
+    def _report(self, cluster: Cluster) -> None:
+        """What each rank's engine would answer a scrape now (SGLang's fields: KV tokens
+        used + prompt tokens queued)."""
+        self._scraped = cluster.now
+        for worker, engine in zip(self.registry.workers.values(), cluster.engines, strict=True):
+            per_rank = {
+                r.index: (
+                    r.num_running + r.num_waiting,
+                    r.kv_used + sum(q.prompt_len for q in r.waiting),
+                )
+                for r in engine.ranks
+            }
+            assign(worker, per_rank)
 
 
 class Sessions(Protocol):

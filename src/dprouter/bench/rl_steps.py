@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import statistics
 from concurrent.futures import ProcessPoolExecutor
+from typing import NamedTuple
 
 from dprouter.bench.harness import SimRouter, run_sessions
 from dprouter.bench.workloads import RolloutSessions
@@ -42,12 +43,28 @@ TP_ENGINE = EngineConfig(
     ),
     limits=RankLimits(max_running=MAX_RUNNING * DP, kv_tokens=KV_TOKENS * DP),
 )
-RUNS: tuple[tuple[str, str, bool, EngineConfig], ...] = (
-    ("TP-only reference (8 x TP4), manual", "manual", True, TP_ENGINE),
-    ("not DP-aware: manual, engine round_robin", "manual", False, DP_ENGINE),
-    ("DP-aware: manual", "manual", True, DP_ENGINE),
-    ("DP-aware: min_tokens", "min_tokens", True, DP_ENGINE),
-    ("DP-aware: least_load", "least_load", True, DP_ENGINE),
+
+
+class Run(NamedTuple):
+    name: str
+    policy: str
+    dp_aware: bool
+    engine: EngineConfig
+    oracle: bool = False  # the router knows each decode's true length at admission
+    scrape: float = 0.0  # seconds between engine load reports; 0: the router's counts only
+    session_bound: float = 1.5  # manual's: 0, a key never leaves its target for load
+
+
+ORACLE = "oracle: min_tokens knowing each decode's length"
+RUNS: tuple[Run, ...] = (
+    # the reference and the peers' setup: keys stick whatever the load
+    Run("TP-only reference (8 x TP4), manual", "manual", True, TP_ENGINE, session_bound=0),
+    Run("not DP-aware: manual, engine round_robin", "manual", False, DP_ENGINE, session_bound=0),
+    Run("DP-aware: manual", "manual", True, DP_ENGINE),
+    Run("DP-aware: min_tokens", "min_tokens", True, DP_ENGINE),
+    Run("DP-aware: min_tokens, engine reports", "min_tokens", True, DP_ENGINE, scrape=0.25),
+    Run("DP-aware: least_load", "least_load", True, DP_ENGINE),
+    Run(ORACLE, "min_tokens", True, DP_ENGINE, oracle=True),
 )
 SESSIONS, TURNS = 160, 4
 
@@ -56,10 +73,9 @@ def steps(quick: bool) -> int:
     return 2 if quick else 6
 
 
-def one(run: tuple[str, str, bool, EngineConfig], seed: int) -> dict[str, float]:
+def one(run: Run, seed: int) -> dict[str, float]:
     """One RL rollout step (the workload seeded by ``seed``) under one routing."""
-    _, policy, dp_aware, engine = run
-    configs = [engine] * ENGINES
+    configs = [run.engine] * ENGINES
     sessions = RolloutSessions(
         sessions=SESSIONS,
         turns=TURNS,
@@ -69,7 +85,8 @@ def one(run: tuple[str, str, bool, EngineConfig], seed: int) -> dict[str, float]
         decode_cap=12000,
         seed=seed,
     )
-    router = SimRouter(configs, policy, dp_aware, PolicyOptions(assignment="min_load"))
+    options = PolicyOptions(assignment="min_load", session_bound=run.session_bound)
+    router = SimRouter(configs, run.policy, run.dp_aware, options, run.oracle, run.scrape)
     report, sim = run_sessions(configs, router, sessions)
     steppers = [s for e in sim.cluster.engines for s in e.steppers]
     by_engine: dict[int, list[float]] = {}
@@ -99,23 +116,25 @@ def measure(quick: bool) -> dict[str, list[dict[str, float]]]:
     jobs = [(run, seed) for run in RUNS for seed in range(steps(quick))]
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         done = list(pool.map(one, *zip(*jobs, strict=True)))
-    found: dict[str, list[dict[str, float]]] = {run[0]: [] for run in RUNS}
+    found: dict[str, list[dict[str, float]]] = {run.name: [] for run in RUNS}
     for (run, _), m in zip(jobs, done, strict=True):
-        found[run[0]].append(m)
+        found[run.name].append(m)
     return found
 
 
 def summarise(per_step: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Ratios to the TP-only reference step by step, then averaged over the steps."""
-    reference = per_step[RUNS[0][0]]
+    reference, best = per_step[RUNS[0].name], per_step[ORACLE]
     out = {}
     for name, ms in per_step.items():
         ratios = [m["rl_step_s"] / r["rl_step_s"] for m, r in zip(ms, reference, strict=True)]
         forward = [m["forward_ms"] / r["forward_ms"] for m, r in zip(ms, reference, strict=True)]
+        to_oracle = [m["rl_step_s"] / o["rl_step_s"] for m, o in zip(ms, best, strict=True)]
         out[name] = {
             "rl_step": statistics.mean(ratios),
             "rl_step_min": min(ratios),
             "rl_step_max": max(ratios),
+            "rl_step_oracle": statistics.mean(to_oracle),
             "forward_step": statistics.mean(forward),
             "rank_max_over_mean": statistics.mean(m["rank_max_over_mean"] for m in ms),
             "max_outstanding": max(m["max_outstanding"] for m in ms),

@@ -65,7 +65,9 @@ class RolloutSessions:
             s = _Session(f"rollout-{i}", system + tokens(self._rng, 200), self.turns)
             self._state[s.key] = s
             t = s.started = self._rng.uniform(0, self.spread)
-            out.append(Arrival(t, list(s.context), self._decode(), key=s.key))
+            out.append(
+                Arrival(t, list(s.context), self._decode(), key=s.key, limit=self.decode_cap)
+            )
         return sorted(out, key=lambda a: a.time)
 
     def next_turn(self, done: Arrival, req: SimRequest, now: float) -> Arrival | None:
@@ -78,7 +80,7 @@ class RolloutSessions:
         decode = self._decode()
         if len(s.context) + decode > self.max_context:
             return None
-        return Arrival(now, list(s.context), decode, key=s.key)
+        return Arrival(now, list(s.context), decode, key=s.key, limit=self.decode_cap)
 
 
 @dataclass

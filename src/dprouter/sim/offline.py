@@ -24,9 +24,10 @@ from dprouter.sim.request import SimRequest
 class Arrival:
     time: float
     prompt_ids: Sequence[int]
-    max_tokens: int = 16
+    max_tokens: int = 16  # the output tokens the request will really run to
     key: str | None = None  # routing key (session), for sticky policies
     bootstrap_room: int | None = None
+    limit: int | None = None  # the max_tokens the client sends; None: max_tokens itself
 
 
 @dataclass
