@@ -9,6 +9,7 @@ engine and rank answered.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,14 +19,17 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from click.testing import CliRunner
 from yarl import URL
 
 from dprouter.app import Router
 from dprouter.config import ConfigError, RouterConfig, validate
 from dprouter.processes import Supervisor
+from dprouter.serve import serve
 from dprouter.sim.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 from tests.kube_apiserver import KubeApiServer, pod
+from tests.test_cli import _serve, listening
 from tests.test_etcd import Relay, serving
 from tests.test_router_pd import engine
 
@@ -323,3 +327,31 @@ def test_kubernetes_options_are_checked_at_start_up() -> None:
     for config in bad:
         with pytest.raises(ConfigError):
             validate(config)
+
+
+async def test_serve_takes_kubernetes_options_from_its_config_file(
+    start_cluster: StartCluster, kube: KubeApiServer, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    gpu, cpu = (await start_cluster([EngineConfig(dp_size=2)] * 2)).urls
+    await kube.put(pod("e0", labels={"app": "engine", "tier": "gpu"}, annotations=ports(gpu)))
+    await kube.put(pod("c0", labels={"app": "engine", "tier": "cpu"}, annotations=ports(cpu)))
+    config = tmp_path / "router.toml"
+    config.write_text(
+        'discovery = "k8s"\nselector = "app=engine,tier!=cpu"\nnamespace = "llm"\n'
+        f'kubeconfig = "{kubeconfig(tmp_path, kube.url)}"\n'
+    )
+    proc = await _serve("--config", str(config))
+    try:
+        base, line = await listening(proc)
+        assert "2 target(s)" in line, line  # the first list came before the report
+        async with http.post(base + "/v1/completions", json={"prompt": "hi"}) as r:
+            assert r.status == 200 and r.headers["x-dprouter-target"].startswith("e0/")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 10)
+
+
+def test_serve_refuses_a_kubeconfig_it_cannot_read(tmp_path: Path) -> None:
+    args = ["--discovery", "k8s", "--selector", "app=engine"]
+    done = CliRunner().invoke(serve, [*args, "--kubeconfig", str(tmp_path / "missing")])
+    assert done.exit_code == 2 and "cannot read the kubeconfig" in done.output
