@@ -24,6 +24,7 @@ from yarl import URL
 
 from dprouter.app import Router
 from dprouter.config import ConfigError, RouterConfig, validate
+from dprouter.membership.pods import PodError, PodRules
 from dprouter.processes import Supervisor
 from dprouter.serve import serve
 from dprouter.sim.config import EngineConfig
@@ -355,3 +356,64 @@ def test_serve_refuses_a_kubeconfig_it_cannot_read(tmp_path: Path) -> None:
     args = ["--discovery", "k8s", "--selector", "app=engine"]
     done = CliRunner().invoke(serve, [*args, "--kubeconfig", str(tmp_path / "missing")])
     assert done.exit_code == 2 and "cannot read the kubeconfig" in done.output
+
+
+def test_which_workers_a_pod_is() -> None:
+    rules = PodRules.of(RouterConfig(pod_port=8000))
+    assert [(s.id, s.url) for s in rules.workers(pod("a", ip="10.1.2.3"))] == [
+        ("a", "http://10.1.2.3:8000")
+    ]
+    assert [s.url for s in rules.workers(pod("v6", ip="fd00::7"))] == ["http://[fd00::7]:8000"]
+    terminating = pod("t")
+    terminating["metadata"]["deletionTimestamp"] = "2026-12-01T10:05:00Z"
+    for outside in (pod("u", ready=False), pod("n", ip=None), terminating):
+        assert rules.workers(outside) == []
+    multi = pod("m", annotations={"dprouter/ports": "9000, 9001", "dprouter/worker": "dp_size=1"})
+    assert [(s.id, s.url, s.dp_size) for s in rules.workers(multi)] == [
+        ("m-9000", "http://127.0.0.1:9000", 1),
+        ("m-9001", "http://127.0.0.1:9001", 1),
+    ]
+    keyed = pod("k", annotations={"dprouter/worker": "dialect=vllm,dp-size=8,rank_offset=8"})
+    (spec,) = rules.workers(keyed)
+    assert (spec.dialect, spec.dp_size, spec.rank_offset) == ("vllm", 8, 8)
+    bad = [
+        {"dprouter/ports": "80,80"},
+        {"dprouter/ports": "http"},
+        {"dprouter/ports": "70000"},
+        {"dprouter/worker": "id=x"},
+        {"dprouter/worker": "colour=red"},
+        {"dprouter/worker": "dp_size=many"},
+        {"dprouter/ports": "1,2", "dprouter/worker": "rank_offset=4"},
+        {"sglang.ai/bootstrap-port": "x"},
+    ]
+    for notes in bad:
+        with pytest.raises(PodError):
+            rules.workers(pod("b", annotations=notes))
+    with pytest.raises(PodError, match="--pod-port"):
+        PodRules.of(RouterConfig()).workers(pod("p"))
+
+
+def test_pd_selectors_give_roles_and_a_pod_matching_neither_is_no_worker() -> None:
+    config = RouterConfig(pod_port=1, prefill_selector="r=p", decode_selector="r=d,gpu!=none")
+    rules = PodRules.of(config)
+    boot = {"sglang.ai/bootstrap-port": "8998"}
+    (p,) = rules.workers(pod("p", labels={"r": "p"}, annotations=boot))
+    (d,) = rules.workers(pod("d", labels={"r": "d"}))
+    assert (p.role, p.bootstrap_port, d.role) == ("prefill", 8998, "decode")
+    assert rules.workers(pod("x", labels={"r": "d", "gpu": "none"})) == []
+    both = PodRules.of(RouterConfig(pod_port=1, prefill_selector="a=1", decode_selector="b=1"))
+    with pytest.raises(PodError, match="both"):
+        both.workers(pod("y", labels={"a": "1", "b": "1"}))
+
+
+async def test_the_worker_annotation_reaches_discovery(
+    start_cluster: StartCluster, kube: KubeApiServer, router: Start
+) -> None:
+    (engine0,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    notes = {**ports(engine0.url), "dprouter/worker": "dp_size=4"}  # the engine has 2
+    await kube.put(pod("e0", annotations=notes))
+    r = await router()
+    assert await until(
+        lambda: "e0" in r.registry.workers and r.registry.workers["e0"].state == "error"
+    )
+    assert "configured with dp_size 4" in (r.registry.workers["e0"].error or "")

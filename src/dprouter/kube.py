@@ -10,6 +10,7 @@ whose ``Status`` has code 410 -- and the caller lists again.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +80,7 @@ class Kube:
         return list(answer.get("items") or ()), str(answer["metadata"]["resourceVersion"])
 
     @property
-    def _ssl(self) -> Any:
+    def _ssl(self) -> ssl.SSLContext | bool:
         return self.access.ssl if self.access.ssl is not None else True
 
     async def watch_pods(

@@ -99,6 +99,7 @@ class KubernetesMembership:
         loop = asyncio.get_running_loop()
         due = loop.time() + self.resync
         while (left := due - loop.time()) > 0:
+            opened = loop.time()
             try:  # the server ends the stream after ``timeoutSeconds``, but may not
                 async with asyncio.timeout(left):
                     seconds = max(1, math.ceil(left))
@@ -106,6 +107,8 @@ class KubernetesMembership:
                         self.namespace, self.selector, version, seconds
                     ):
                         version = self.apply(event) or version
+                    if loop.time() - opened < 1.0:  # ended at once: no tight loop of watches
+                        await asyncio.sleep(BACKOFF[0])
             except TimeoutError:
                 return
 

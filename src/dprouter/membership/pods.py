@@ -9,16 +9,17 @@ that every replica names it alike. Its role comes from the P/D selectors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from yarl import URL
 
-from dprouter.config import ConfigError, RouterConfig, WorkerSpec, check_worker
+from dprouter.config import ConfigError, RouterConfig, WorkerSpec, check_worker, parse_worker
 from dprouter.labels import Selector, matches, parse_selector
 from dprouter.targets import Role
 
 PORTS_ANNOTATION = "dprouter/ports"  # "8000" or "8000,8001,...": one worker per port
+WORKER_ANNOTATION = "dprouter/worker"  # "dialect=vllm,dp_size=8": --worker's keys, each port
 
 
 class PodError(ValueError):
@@ -64,22 +65,39 @@ class PodRules:
         if role is None:
             return []
         ports = self.ports(notes)
+        keys = self.keys(notes, len(ports))
         bootstrap = notes.get(self.bootstrap_annotation)
         name = str(meta["name"])
         specs = []
         for port in ports:
             url = str(URL.build(scheme="http", host=ip, port=port))
-            spec = WorkerSpec(
-                url,
-                id=name if len(ports) == 1 else f"{name}-{port}",
-                role=role,
-                bootstrap_port=_port(bootstrap) if bootstrap is not None else None,
-            )
             try:
+                spec = parse_worker(",".join((url, *keys)), role)
+                spec = replace(
+                    spec,
+                    id=name if len(ports) == 1 else f"{name}-{port}",
+                    bootstrap_port=_port(bootstrap)
+                    if bootstrap is not None
+                    else spec.bootstrap_port,
+                )
                 specs.append(check_worker(spec))
-            except ConfigError as exc:
+            except (ConfigError, TypeError) as exc:
                 raise PodError(str(exc)) from None
         return specs
+
+    def keys(self, notes: dict[str, str], ports: int) -> list[str]:
+        """The ``dprouter/worker`` annotation's ``key=value`` pairs (``--worker``'s keys)."""
+        pairs = [p.strip() for p in notes.get(WORKER_ANNOTATION, "").split(",") if p.strip()]
+        for pair in pairs:
+            key = pair.partition("=")[0].strip().replace("-", "_")
+            if key in ("url", "id", "role"):
+                raise PodError(f"{WORKER_ANNOTATION}: {key} comes from the pod, not from a key")
+            if key == "rank_offset" and ports > 1:
+                raise PodError(
+                    f"{WORKER_ANNOTATION}: rank_offset on a pod of {ports} ports; each port's "
+                    "is discovered from its engine"
+                )
+        return pairs
 
     def ports(self, notes: dict[str, str]) -> list[int]:
         listed = notes.get(PORTS_ANNOTATION)
