@@ -324,6 +324,9 @@ def test_kubernetes_options_are_checked_at_start_up() -> None:
         RouterConfig(discovery="k8s", pd="sglang", prefill_selector="r=p"),  # no decode
         RouterConfig(discovery="k8s", selector="a=b", resync=0),
         RouterConfig(discovery="kubernetes"),
+        RouterConfig(
+            discovery="k8s", pd="vllm-moriio", prefill_selector="r=p", decode_selector="r=d"
+        ),
     ]
     for config in bad:
         with pytest.raises(ConfigError):

@@ -276,6 +276,8 @@ def _changed(config: RouterConfig, name: str) -> bool:
 
 
 def check_kubernetes(config: RouterConfig) -> None:
+    if config.pd == "vllm-moriio":
+        raise ConfigError("MoRIIO instances register themselves: drop --discovery k8s")
     for name in ("selector", "prefill_selector", "decode_selector"):
         text = getattr(config, name)
         if text is not None:
@@ -291,8 +293,6 @@ def check_kubernetes(config: RouterConfig) -> None:
             f"--pd {config.pd} with --discovery k8s: give --prefill-selector and "
             "--decode-selector (which pods are which)"
         )
-    if config.pd == "vllm-moriio":
-        raise ConfigError("MoRIIO instances register themselves: drop --discovery k8s")
     if config.selector is None and config.pd is None:
         raise ConfigError("--discovery k8s needs --selector (the engine pods' labels)")
     if config.pod_port is not None and not 1 <= config.pod_port <= 65535:
