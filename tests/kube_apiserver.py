@@ -9,8 +9,8 @@ when asked for, an ``ERROR`` event with a 410 ``Status`` for a version older
 than the history kept (``gone_as_http``: a plain HTTP 410 instead), the
 stream ending after ``timeoutSeconds``, and a bearer token checked on every
 call. A test can cut every open watch mid-stream, stop delivering events
-(``deaf``), forget the history (``compact``), or stop listening and listen
-again on the same port.
+(``deaf``), forget the history (``compact``), answer with garbage
+(``garbled``), or stop listening and listen again on the same port.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ class KubeApiServer:
     history: list[Change] = field(default_factory=list)
     oldest: int = 100  # versions before this are no longer kept
     deaf: bool = False  # watches get no events (every event lost)
+    garbled: int = 0  # the next this many calls are answered 200 with a body that is not JSON
     lists: int = 0  # list calls answered
     watches: int = 0  # watch calls answered
     port: int = 0
@@ -189,6 +190,9 @@ class KubeApiServer:
     async def pods_call(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._refused(request)) is not None:
             return refused
+        if self.garbled > 0:
+            self.garbled -= 1
+            return web.Response(text="<html>a proxy's error page</html>")
         namespace = request.match_info["ns"]
         try:
             text = request.query.get("labelSelector")

@@ -420,3 +420,16 @@ async def test_the_worker_annotation_reaches_discovery(
         lambda: "e0" in r.registry.workers and r.registry.workers["e0"].state == "error"
     )
     assert "configured with dp_size 4" in (r.registry.workers["e0"].error or "")
+
+
+async def test_garbage_from_the_api_server_marks_it_stale_and_the_router_recovers(
+    start_cluster: StartCluster, kube: KubeApiServer, router: Start
+) -> None:
+    r, urls = await two_engines(start_cluster, kube, router)
+    kube.garbled = 2  # the re-list after the cut, and the next try
+    kube.deaf = True
+    await kube.delete(NS, "e1", force=True)
+    kube.cut()
+    assert await until(lambda: r.registry.stale, 1.0)
+    assert serving(r, urls[1])  # the last membership stands meanwhile
+    assert await until(lambda: not r.registry.stale and not serving(r, urls[1]), 3.0)

@@ -76,8 +76,12 @@ class Kube:
                     raise self._refused(url, r.status, body)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise KubeError(f"{self.access.server}: {type(exc).__name__} {exc}".strip()) from exc
-        answer = orjson.loads(body)
-        return list(answer.get("items") or ()), str(answer["metadata"]["resourceVersion"])
+        try:
+            answer = orjson.loads(body)
+            items = [p for p in answer.get("items") or () if isinstance(p, dict)]
+            return items, str(answer["metadata"]["resourceVersion"])
+        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
+            raise KubeError(f"{url.path}: not a pod list: {body[:200]!r}") from exc
 
     @property
     def _ssl(self) -> ssl.SSLContext | bool:
@@ -112,11 +116,13 @@ class Kube:
                     if not line.strip():
                         continue
                     event = orjson.loads(line)
-                    kind, obj = event.get("type"), event.get("object") or {}
+                    kind, obj = event.get("type"), event.get("object")
+                    if not isinstance(obj, dict):
+                        raise KubeError(f"{url.path}: not a watch event: {line[:200]!r}")
                     if kind == "ERROR":
                         if obj.get("code") == 410:
                             raise Gone(f"{url.path}: {obj.get('message', 'expired')}")
                         raise KubeError(f"{url.path}: watch error {obj.get('message', obj)}")
                     yield Event(str(kind), obj)
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError) as exc:
             raise KubeError(f"{url.path}: watch broke: {type(exc).__name__} {exc}") from exc

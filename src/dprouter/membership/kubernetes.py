@@ -183,7 +183,7 @@ class KubernetesMembership:
     def _unreachable(self, exc: KubeError) -> None:
         if not self.registry.stale:
             log.error(
-                "kubernetes API unreachable (%s): keeping the last membership (%d workers) "
+                "kubernetes API cannot be read (%s): keeping the last membership (%d workers) "
                 "and retrying",
                 exc,
                 len(self.members),
