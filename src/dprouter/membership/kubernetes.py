@@ -22,7 +22,7 @@ import aiohttp
 from dprouter.config import RouterConfig, WorkerSpec
 from dprouter.kube import Event, Gone, Kube, KubeError
 from dprouter.kubeconfig import Access
-from dprouter.membership.pods import PodError, PodRules
+from dprouter.membership.pods import PodRules
 from dprouter.monitor import Monitor
 from dprouter.registry import Duplicate, Registry, worker_from_spec
 
@@ -134,7 +134,7 @@ class KubernetesMembership:
     def _workers(self, name: str, pod: dict[str, Any]) -> dict[str, Member]:
         try:
             specs = self.rules.workers(pod)
-        except (PodError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # PodError, bad IP
             self._refuse(name, f"pod {name} is not a worker: {exc}")
             return {}
         return {s.id or name: (name, s) for s in specs}
