@@ -25,6 +25,7 @@ from dprouter.config import (
 from dprouter.etcd import EtcdError
 from dprouter.membership import Source, worker_name
 from dprouter.membership.etcd import EtcdMembership
+from dprouter.membership.kubernetes import KubernetesMembership
 from dprouter.monitor import Monitor
 from dprouter.registry import Duplicate, Registry, worker_from_spec
 from dprouter.relay import error
@@ -61,7 +62,8 @@ class Admin:
     """The admin handlers. New workers are checked against the running router's own
     configuration (a ``--pd`` router takes prefill and decode workers, not regular ones).
     Under etcd discovery a worker is added and removed in etcd, for every replica: the
-    answer names the key, and the worker joins here as on the others, from the watch."""
+    answer names the key, and the worker joins here as on the others, from the watch.
+    A worker from a Kubernetes pod cannot be removed here (409): its pod decides."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class Admin:
         self.registry = registry
         self.monitor = monitor
         self.shared = next((s for s in sources if isinstance(s, EtcdMembership)), None)
+        self.kubernetes = next((s for s in sources if isinstance(s, KubernetesMembership)), None)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -148,6 +151,13 @@ class Admin:
         worker_id = request.match_info["worker_id"]
         if worker_id not in self.registry.workers:
             return error(404, f"no worker {worker_id!r}")
+        if self.kubernetes is not None and (pod := self.kubernetes.pod_of(worker_id)):
+            # removed here alone, it would be back at the next list: the pod decides
+            return error(
+                409,
+                f"worker {worker_id!r} is pod {pod}'s, and Kubernetes owns it: delete the pod, "
+                "or change its labels so the selector no longer matches",
+            )
         if self.shared is not None:
             url = self.registry.workers[worker_id].url  # the watch may remove it meanwhile
             try:

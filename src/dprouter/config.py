@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from dprouter.labels import parse_selector
 from dprouter.policies import POLICIES, PolicyOptions
 from dprouter.targets import ROLES, DialectName, Role, normalise_url
 
@@ -89,7 +90,16 @@ class RouterConfig:
     registration: str = "tcp://127.0.0.1:36367"  # MoRIIO engines register here (ZMQ)
     heartbeat_timeout: float = 10.0  # MoRIIO: an instance silent this long is expired
     processes: int | str = 1  # serving processes on the port; "auto": one per core
-    discovery: str | None = None  # etcd://HOST:PORT[,HOST:PORT...]/PREFIX: workers from etcd
+    discovery: str | None = None  # etcd://HOST:PORT[,HOST:PORT...]/PREFIX, or k8s: pods
+    # --discovery k8s: engine pods by label selector (docs/kubernetes.md)
+    selector: str | None = None  # applied by the API server: k=v[,k=v]
+    namespace: str | None = None  # None: the router pod's own, or the kubeconfig context's
+    pod_port: int | None = None  # the engine's port in each pod; None: the ports annotation
+    prefill_selector: str | None = None  # --pd: pods matching it are prefill workers...
+    decode_selector: str | None = None  # ...and these decode workers
+    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"  # SGLang prefill pods
+    kubeconfig: str | None = None  # outside a pod; None: $KUBECONFIG or ~/.kube/config
+    resync: float = 60.0  # seconds between whole re-lists of the pods, whatever the watch said
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -228,8 +238,14 @@ def validate(config: RouterConfig) -> RouterConfig:
         load_interval = 1.0 if config.discovery is None else 0.25
     if load_interval < 0:
         raise ConfigError(f"load_interval must be >= 0, got {load_interval}")
-    if config.discovery is not None:
-        parse_discovery(config.discovery)
+    if config.discovery == KUBERNETES:
+        check_kubernetes(config)
+    else:
+        if config.discovery is not None:
+            parse_discovery(config.discovery)
+        given = [f"--{n.replace('_', '-')}" for n in KUBERNETES_OPTIONS if _changed(config, n)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only with --discovery k8s")
     urls = [w.url for w in workers]
     for url in urls:
         if urls.count(url) > 1:
@@ -245,11 +261,58 @@ def validate(config: RouterConfig) -> RouterConfig:
     )
 
 
+KUBERNETES = "k8s"
+KUBERNETES_OPTIONS = (
+    "selector",
+    "namespace",
+    "pod_port",
+    "prefill_selector",
+    "decode_selector",
+    "bootstrap_port_annotation",
+    "kubeconfig",
+    "resync",
+)
+
+
+def _changed(config: RouterConfig, name: str) -> bool:
+    return bool(getattr(config, name) != RouterConfig.__dataclass_fields__[name].default)
+
+
+def check_kubernetes(config: RouterConfig) -> None:
+    if config.pd == "vllm-moriio":
+        raise ConfigError("MoRIIO instances register themselves: drop --discovery k8s")
+    for name in ("selector", "prefill_selector", "decode_selector"):
+        text = getattr(config, name)
+        if text is not None:
+            try:
+                parse_selector(text)
+            except ValueError as exc:
+                raise ConfigError(f"--{name.replace('_', '-')}: {exc}") from None
+    roles = config.prefill_selector is not None, config.decode_selector is not None
+    if config.pd is None and any(roles):
+        raise ConfigError("--prefill-selector and --decode-selector name P/D roles: add --pd")
+    if config.pd is not None and not all(roles):
+        raise ConfigError(
+            f"--pd {config.pd} with --discovery k8s: give --prefill-selector and "
+            "--decode-selector (which pods are which)"
+        )
+    if config.selector is None and config.pd is None:
+        raise ConfigError("--discovery k8s needs --selector (the engine pods' labels)")
+    if config.pod_port is not None and not 1 <= config.pod_port <= 65535:
+        raise ConfigError(f"--pod-port must be 1 to 65535, got {config.pod_port}")
+    if config.resync <= 0:
+        raise ConfigError(f"resync must be > 0, got {config.resync}")
+    if not config.bootstrap_port_annotation:
+        raise ConfigError("--bootstrap-port-annotation must name an annotation")
+
+
 def parse_discovery(url: str) -> tuple[list[str], str]:
     """``etcd://HOST:PORT[,HOST:PORT...]/PREFIX`` -> (endpoint URLs, key prefix ending in /)."""
     parts = urlsplit(url)
     if parts.scheme != "etcd" or not parts.netloc:
-        raise ConfigError(f"discovery {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]/PREFIX")
+        raise ConfigError(
+            f"discovery {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]/PREFIX or k8s"
+        )
     prefix = parts.path.rstrip("/") + "/"
     if prefix == "/":
         raise ConfigError(f"discovery {url!r}: name a key prefix, e.g. etcd://HOST:2379/dprouter")

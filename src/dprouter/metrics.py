@@ -48,8 +48,8 @@ class _Live(Collector):
         )
         stale = GaugeMetricFamily(
             "dprouter_discovery_stale",
-            "1 while the membership source (etcd) cannot be read: the last membership read "
-            "keeps routing.",
+            "1 while the membership source (etcd, Kubernetes) cannot be read: the last "
+            "membership read keeps routing.",
         )
         stale.add_metric([], 1.0 if self.registry.stale else 0.0)
         moves = CounterMetricFamily(

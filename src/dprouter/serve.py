@@ -64,8 +64,57 @@ def make_config(
 @click.option(
     "--discovery",
     default=None,
-    metavar="etcd://HOST:PORT[,HOST:PORT...]/PREFIX",
-    help="Also take workers from etcd: one key per worker under PREFIX (see dprouter register).",
+    metavar="etcd://HOST:PORT[,HOST:PORT...]/PREFIX|k8s",
+    help="Also take workers from etcd (one key per worker under PREFIX; see dprouter register) "
+    "or from Kubernetes pods (k8s).",
+)
+@click.option(
+    "--selector",
+    default=None,
+    metavar="K=V[,K=V...]",
+    help="k8s: label selector of the engine pods (applied by the API server).",
+)
+@click.option(
+    "--namespace",
+    default=None,
+    help="k8s: the pods' namespace (default: the router pod's own, or the kubeconfig context's).",
+)
+@click.option(
+    "--pod-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="k8s: the engine's port in each pod (default: the pod's dprouter/ports annotation).",
+)
+@click.option(
+    "--prefill-selector",
+    default=None,
+    metavar="K=V[,K=V...]",
+    help="k8s with --pd: pods matching it are prefill workers.",
+)
+@click.option(
+    "--decode-selector",
+    default=None,
+    metavar="K=V[,K=V...]",
+    help="k8s with --pd: pods matching it are decode workers.",
+)
+@click.option(
+    "--bootstrap-port-annotation",
+    default="sglang.ai/bootstrap-port",
+    show_default=True,
+    help="k8s: the pod annotation holding an SGLang prefill's bootstrap port.",
+)
+@click.option(
+    "--kubeconfig",
+    default=None,
+    metavar="FILE",
+    help="k8s outside a pod: the kubeconfig (default $KUBECONFIG, else ~/.kube/config).",
+)
+@click.option(
+    "--resync",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="k8s: seconds between whole re-lists of the pods, whatever the watch said.",
 )
 @click.option(
     "--pd", type=click.Choice(PD_MODES), default=None, help="Prefill/decode disaggregation flow."
@@ -342,7 +391,10 @@ def serve(
         raise click.UsageError(
             "no --worker given, no --discovery and no --admin-token to add workers later"
         )
-    asyncio.run(run(config))
+    try:
+        asyncio.run(run(config))
+    except ConfigError as exc:  # what the configuration names is missing or unreadable
+        raise click.UsageError(str(exc)) from None
 
 
 async def run(config: RouterConfig) -> None:

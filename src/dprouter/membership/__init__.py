@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
-from dprouter.config import RouterConfig, parse_discovery
+from dprouter.config import KUBERNETES, RouterConfig, parse_discovery
 
 if TYPE_CHECKING:
     from dprouter.monitor import Monitor
@@ -41,6 +41,12 @@ def sources(config: RouterConfig, registry: Registry, monitor: Monitor) -> list[
     """The sources the configuration names (besides its own list of workers)."""
     if config.discovery is None:
         return []
+    if config.discovery == KUBERNETES:
+        from dprouter.kubeconfig import access
+        from dprouter.membership.kubernetes import KubernetesMembership
+
+        found = access(config.kubeconfig)  # a bad kubeconfig fails here, at start-up
+        return [KubernetesMembership(found, registry, monitor, config, config.resync)]
     from dprouter.membership.etcd import EtcdMembership
 
     endpoints, prefix = parse_discovery(config.discovery)
