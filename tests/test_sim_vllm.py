@@ -272,3 +272,18 @@ async def test_models_health_and_ipv6(
         engine.url + "/v1/completions", headers={RANK: "1"}, json={"prompt": "v6", "max_tokens": 2}
     ) as r:
         assert r.headers["x-sim-dp-rank"] == "1"
+
+
+async def test_a_prompt_ending_in_eos_n_stops_after_n_tokens_under_a_larger_cap(
+    start_cluster: StartCluster, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    for path, body, n in (
+        ("/v1/completions", {"prompt": "a turn of a rollout eos=7", "max_tokens": 500}, 7),
+        ("/v1/completions", {"prompt": "eos=7 is not at the end", "max_tokens": 3}, 3),
+        ("/v1/completions", {"prompt": "the cap wins eos=70", "max_tokens": 4}, 4),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi eos=2"}]}, 2),
+    ):
+        async with http.post(engine.url + path, json=body) as r:
+            assert r.status == 200
+            assert (await r.json())["usage"]["completion_tokens"] == n, body

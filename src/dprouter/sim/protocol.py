@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -10,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dprouter.sim.tokens import render_chat, tokenize
 
 DEFAULT_MAX_TOKENS = 16
+# the simulator's end of sequence: a prompt that ends with "eos=N" stops after N output
+# tokens, under a larger max_tokens, as a model stops when it is done (a workload names
+# each turn's true length; every router forwards the prompt unchanged)
+EOS = re.compile(r"\beos=(\d+)\s*$")
 Kind = Literal["completion", "chat", "generate"]
 
 
@@ -100,6 +105,12 @@ def parse(kind: Kind, body: object) -> Parsed:
     return _check(_parse(kind, body))
 
 
+def _stop(text: str, limit: int) -> int:
+    """Output tokens a prompt runs to: its ``eos=N`` if it ends with one, within ``limit``."""
+    found = EOS.search(text[-32:])
+    return min(limit, int(found.group(1))) if found else limit
+
+
 def _parse(kind: Kind, body: object) -> Parsed:
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
@@ -108,11 +119,12 @@ def _parse(kind: Kind, body: object) -> Parsed:
             c = CompletionBody.model_validate(body)
             ids = tokenize(c.prompt) if isinstance(c.prompt, str) else c.prompt
             opts = c.stream_options
+            limit = c.max_tokens or DEFAULT_MAX_TOKENS
             return Parsed(
                 kind=kind,
                 model=c.model,
                 prompt_ids=ids,
-                max_tokens=c.max_tokens or DEFAULT_MAX_TOKENS,
+                max_tokens=_stop(c.prompt, limit) if isinstance(c.prompt, str) else limit,
                 stream=c.stream,
                 include_usage=bool(opts and opts.include_usage),
             )
@@ -125,7 +137,7 @@ def _parse(kind: Kind, body: object) -> Parsed:
                 kind=kind,
                 model=ch.model,
                 prompt_ids=tokenize(text),
-                max_tokens=limit,
+                max_tokens=_stop(ch.messages[-1].text(), limit),
                 stream=ch.stream,
                 include_usage=bool(opts and opts.include_usage),
             )
@@ -139,7 +151,7 @@ def _parse(kind: Kind, body: object) -> Parsed:
             prompt_ids=ids,
             stream=g.stream,
             include_usage=False,
-            max_tokens=g.sampling_params.max_new_tokens or DEFAULT_MAX_TOKENS,
+            max_tokens=_stop(g.text or "", g.sampling_params.max_new_tokens or DEFAULT_MAX_TOKENS),
             rid=g.rid,
         )
     except ValidationError as exc:
