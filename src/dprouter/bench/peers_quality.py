@@ -113,7 +113,10 @@ async def sessions(
         await asyncio.sleep(rng.uniform(0, 2.0) * SCALE)
         for _ in range(turns):
             n = max(16, min(decode[1], int(rng.lognormvariate(0, 1.0) * decode[0])))
-            body = {"model": "sim-model", "prompt": " ".join(context), "max_tokens": n}
+            # the client sends the cap, as a rollout does; the engine stops after n tokens
+            # (the simulator's end of sequence: a prompt ending in "eos=N")
+            prompt = " ".join(context) + f" eos={n}"
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": decode[1]}
             t0 = loop.time()
             async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
                 await r.read()
@@ -293,7 +296,9 @@ def run(quick: bool, out: Path) -> Result:
             f"Simulated engines in the bench process at {SCALE} wall s per simulated s, each "
             "router in its own process. Rollouts: SGLang engines x DP4 with DP attention "
             "(step: max over ranks of 5 ms + 0.1 ms per sequence + 0.2 us per KV token; 4 "
-            "running per rank), closed-loop sessions with long log-normal decodes; "
+            "running per rank), closed-loop sessions with long log-normal decodes, each turn "
+            "sent with max_tokens at the cap and ending where the engine stops (a simulated "
+            "end of sequence), as rollouts run; "
             "chat: SGLang engines x DP4, 8 shared system prompts, 3 turns. Step: mean "
             "forward step of the engines; busiest/mean: ranks' busy time; latency per turn "
             f"in simulated seconds. Each rollout run {SEEDS[quick]} time(s), one seeded workload "
