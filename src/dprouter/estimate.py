@@ -39,28 +39,31 @@ def completion_tokens(body: bytes) -> int | None:
 
 
 class OutputEstimate:
+    """Typical output lengths, by model (None: requests that name none)."""
+
     def __init__(self) -> None:
-        self.typical: float | None = None
+        self.typical: dict[str | None, float] = {}
 
-    def observe(self, generated: int) -> None:
-        """A request finished after ``generated`` output tokens."""
-        t = self.typical
-        self.typical = float(generated) if t is None else t + WEIGHT * (generated - t)
+    def observe(self, generated: int, model: str | None = None) -> None:
+        """A request for ``model`` finished after ``generated`` output tokens."""
+        t = self.typical.get(model)
+        self.typical[model] = float(generated) if t is None else t + WEIGHT * (generated - t)
 
-    def budget(self, limit: int | None) -> int:
+    def budget(self, limit: int | None, model: str | None = None) -> int:
         """The output tokens to count for a request whose cap is ``limit`` (None: unset)."""
         cap = DEFAULT_OUTPUT if limit is None else limit
-        if self.typical is None:
-            return cap
-        return min(cap, round(self.typical))
+        t = self.typical.get(model)
+        return cap if t is None else min(cap, round(t))
 
     def apply(self, incoming: Incoming) -> None:
         """Count ``incoming`` by its budget: prompt + min(cap, typical)."""
-        incoming.output = self.budget(incoming.limit)
+        incoming.output = self.budget(incoming.limit, incoming.model)
         incoming.tokens = incoming.prompt_tokens + incoming.output
 
 
-def learn(estimate: OutputEstimate, answer: web.StreamResponse, counted: Outstanding) -> None:
+def learn(
+    estimate: OutputEstimate, answer: web.StreamResponse, counted: Outstanding, model: str | None
+) -> None:
     """What a good answer tells of output lengths: a whole answer its usage, a stream
     the events that went by."""
     if answer.status != 200 or answer.get(CUT):
@@ -69,6 +72,6 @@ def learn(estimate: OutputEstimate, answer: web.StreamResponse, counted: Outstan
         body = answer.body
         found = completion_tokens(body) if isinstance(body, bytes) else None
         if found is not None:
-            estimate.observe(found)
+            estimate.observe(found, model)
     elif counted.seen:
-        estimate.observe(counted.seen)
+        estimate.observe(counted.seen, model)

@@ -121,7 +121,7 @@ class Proxy:
             except UpstreamBroke as exc:
                 raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
             attempts.answered(answer, target)
-            learn(self.rules.output, answer, counted)
+            learn(self.rules.output, answer, counted, incoming.model)
             return answer
 
     def _pool(

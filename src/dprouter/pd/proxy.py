@@ -122,7 +122,7 @@ class PairProxy:
                 call.release()
             attempts.answered(answer, prefill, decode)
             if call.decoding is not None:
-                learn(self.rules.output, answer, call.decoding)
+                learn(self.rules.output, answer, call.decoding, incoming.model)
             return answer
         return attempts.give_up("prefill/decode pair")
 
