@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dprouter.admin import Admin
-from dprouter.drain import grace_over
 from dprouter.follower import AdminRelay
 from dprouter.openapi import describe
 from dprouter.parse import Kind
-from dprouter.relay import STREAMING, error
+from dprouter.guard import guarded
+from dprouter.relay import error
 from dprouter.targets import Role
 
 if TYPE_CHECKING:
     from dprouter.app import Parts
-
-STOPPING = {"Retry-After": "1"}  # and Connection: close (see _closing)
 
 
 class Handlers:
@@ -56,34 +54,9 @@ class Handlers:
         return await self.routed(request, "generate")
 
     async def routed(self, request: web.Request, kind: Kind) -> web.StreamResponse:
-        p = self.parts
-        assert p.proxy is not None
-        if p.drain.draining:  # a kept-alive connection's next request, after SIGTERM
-            p.metrics.rejected.labels("stopping").inc()
-            return _closing(error(503, "the router is stopping; retry", headers=STOPPING))
-        task = p.drain.enter()
-        try:
-            refused = await p.admission.enter()
-            if refused is not None:
-                p.metrics.rejected.labels("overloaded").inc()
-                message = f"the router is at capacity ({refused}); retry later"
-                return error(429, message, headers={"Retry-After": "1"})
-            try:  # a stream holds its slot until its last byte
-                return await p.proxy.handle(request, kind)
-            finally:
-                p.admission.leave()
-        except asyncio.CancelledError as exc:
-            if not grace_over(exc):
-                raise  # the client left
-            if task is not None:
-                task.uncancel()
-            begun: web.StreamResponse | None = request.get(STREAMING)
-            if begun is not None:  # its last words are written
-                return begun
-            message = "the router stopped: its grace period ran out before the engine answered"
-            return _closing(error(503, message, headers=STOPPING))
-        finally:
-            p.drain.leave(task)
+        proxy = self.parts.proxy
+        assert proxy is not None
+        return await guarded(self.parts, request, partial(proxy.handle, request, kind))
 
     async def models(self, _: web.Request) -> web.Response:
         cards = list(self.parts.registry.snapshot.model_cards().values())
@@ -114,8 +87,3 @@ class Handlers:
     async def metrics(self, _: web.Request) -> web.Response:
         body = self.parts.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _closing(resp: web.Response) -> web.Response:
-    resp.force_close()  # the client opens a new connection: to a router that listens
-    return resp
