@@ -10,10 +10,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from dprouter.admin import Admin
 from dprouter.follower import AdminRelay
+from dprouter.guard import guarded
 from dprouter.openapi import describe
 from dprouter.parse import Kind
-from dprouter.guard import guarded
 from dprouter.relay import error
+from dprouter.surface import Surface
 from dprouter.targets import Role
 
 if TYPE_CHECKING:
@@ -35,6 +36,9 @@ class Handlers:
             web.get("/v1/models/{model:.+}", self.model),
             web.get("/health", self.health),
             web.get("/readiness", self.readiness),
+            web.get("/ping", self.readiness),  # SageMaker's name for it
+            web.post("/ping", self.readiness),
+            *Surface(p).routes(),
             web.get("/metrics", self.metrics),
             web.get("/openapi.json", self.openapi),
             *(

@@ -32,6 +32,12 @@ class ClientRequest:
     changed: bool  # a client rank field was removed from the body
 
 
+def forwarded(request: web.Request, config: RouterConfig) -> CIMultiDict[str]:
+    """The client's headers that go on to the engine."""
+    dropped = NOT_FORWARDED if config.forward_authorization else NOT_FORWARDED_WITH_AUTH
+    return CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in dropped)
+
+
 async def read_request(
     request: web.Request, kind: Kind, config: RouterConfig, metrics: RouterMetrics
 ) -> ClientRequest | web.Response:
@@ -39,10 +45,7 @@ async def read_request(
     try:
         raw = await request.read()
         incoming = parse(raw, kind, request.headers)
-        dropped = NOT_FORWARDED if config.forward_authorization else NOT_FORWARDED_WITH_AUTH
-        headers = CIMultiDict(
-            (k, v) for k, v in request.headers.items() if k.lower() not in dropped
-        )
+        headers = forwarded(request, config)
         pinned = prefill = None
         if config.trust_client_rank:
             pinned = dialects.client_rank(headers, incoming.body)

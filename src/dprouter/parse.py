@@ -151,7 +151,9 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         output = (DEFAULT_OUTPUT if limit is None else limit) if kind == "responses" else 0
         text, prompt_tokens = _loose_text(body)
         key = routing_key(headers, body)
-        return Incoming(body, model, stream, key, text, prompt_tokens + output, output, prompt_tokens, limit)
+        return Incoming(
+            body, model, stream, key, text, prompt_tokens + output, output, prompt_tokens, limit
+        )
     if kind == "generate":
         params = _typed(body, "sampling_params", (dict,), "an object") or {}
         limit = _limit(params, "max_new_tokens", least=0)  # SGLang: 0 is prefill only

@@ -21,8 +21,8 @@ from dprouter.sim.engine import Engine
 from dprouter.sim.metrics import vllm_registry
 from dprouter.sim.pd import Me
 from dprouter.sim.pd_side import PdSide
-from dprouter.sim.pooling import Pooling
 from dprouter.sim.persona import persona_for
+from dprouter.sim.pooling import Pooling
 from dprouter.sim.request import SimRequest
 from dprouter.sim.runner import EngineRunner
 from dprouter.sim.stored import Responses
