@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig
+from dprouter.sim.config import EngineConfig, Persona
 from dprouter.sim.server import SimServer
 from tests.conftest import StartCluster, StartRouter, workers
 
@@ -31,7 +31,10 @@ def rank_seen(engine: SimServer, path: str) -> list[int | None]:
 
 @pytest.mark.parametrize("persona", ["vllm", "sglang"])
 async def test_embeddings_go_by_the_policy_with_the_rank_written_in_the_dialect(
-    persona: str, start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+    persona: Persona,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
 ) -> None:
     (engine,) = (await start_cluster([EngineConfig(persona=persona, dp_size=2)])).servers
     router = await start_router(RouterConfig(workers=workers(engine.url), policy="round_robin"))
@@ -67,7 +70,7 @@ async def test_embeddings_go_by_the_policy_with_the_rank_written_in_the_dialect(
     ],
 )
 async def test_each_pooling_endpoint_passes_through_unchanged_and_ranked(
-    persona: str,
+    persona: Persona,
     path: str,
     body: dict[str, object],
     start_cluster: StartCluster,
@@ -106,12 +109,14 @@ async def test_a_pooling_call_fails_over_like_completions(
     broken = EngineConfig(faults=Faults(failing_ranks=frozenset({0, 1})), dp_size=2)
     cluster = await start_cluster([broken, EngineConfig(dp_size=2)])
     bad, good = cluster.servers
-    router = await start_router(RouterConfig(workers=workers(*cluster.urls), attempts=5))
+    config = RouterConfig(workers=workers(*cluster.urls), attempts=5, policy="round_robin")
+    router = await start_router(config)
     for _ in range(4):
         async with http.post(router.url + "/v1/embeddings", json={"input": "x"}) as r:
             assert r.status == 200
             assert r.headers["x-sim-engine"] == good.engine_id
     assert sum(good.served.values()) == 4
+    assert len(bad.received) >= 2 and not bad.served  # tried, failed, retried elsewhere
 
 
 async def test_bad_input_to_a_pooling_endpoint_never_reaches_an_engine(
@@ -147,7 +152,10 @@ async def test_an_engine_only_path_is_404_without_a_worker_of_that_engine(
 
 @pytest.mark.parametrize("persona", ["vllm", "sglang"])
 async def test_tokenizer_calls_take_no_rank_and_round_trip(
-    persona: str, start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+    persona: Persona,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
 ) -> None:
     cluster = await start_cluster([EngineConfig(persona=persona, dp_size=2)] * 2)
     router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
