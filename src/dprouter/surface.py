@@ -23,7 +23,7 @@ from aiohttp import web
 
 from dprouter.guard import guarded
 from dprouter.parse import Kind
-from dprouter.proxy import Proxy
+from dprouter.proxy import Proxy, no_pool
 from dprouter.relay import error
 from dprouter.stored import Kept, Stored
 from dprouter.targets import DialectName, Worker
@@ -156,8 +156,7 @@ class Surface:
 
         rows = await self.unranked.fan(request, path, endpoint.method, workers)
         if not rows:
-            engines = " or ".join(endpoint.engines)
-            return error(503, f"no ready {engines} worker for {endpoint.path}")
+            return no_pool(self.parts.registry, self.parts.metrics, endpoint.dialect, endpoint.path)
         ok = all(r["status"] is not None and r["status"] < 300 for r in rows)
         return web.json_response({"workers": rows}, status=200 if ok else 502)
 
