@@ -54,6 +54,12 @@ MESSAGES = {
     },
 }
 
+FORM = {
+    "type": "object",
+    "required": ["file"],
+    "properties": {"model": {"type": "string"}, "file": {"type": "string", "format": "binary"}},
+}
+
 
 def _error(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": ERROR}}}
@@ -128,6 +134,8 @@ def _surface() -> dict[str, Any]:
         else:
             statuses = ROUTED
         op = _operation(e.summary, e.kind is not None, *statuses, param="{id}" in e.path)
+        if e.kind == "audio":
+            op["requestBody"]["content"] = {"multipart/form-data": {"schema": FORM}}
         paths.setdefault(e.path, {})[e.method.lower()] = op
     return paths
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import orjson
 
-Kind = Literal["completion", "chat", "generate", "pooling", "tokenizer", "responses"]
+Kind = Literal["completion", "chat", "generate", "pooling", "tokenizer", "responses", "audio"]
 # bodies the router reads only for routing (model, key, text); the engine checks the rest
 LOOSE: frozenset[Kind] = frozenset({"pooling", "tokenizer", "responses"})
 TEXT_FIELDS = ("input", "text", "prompt", "query", "text_1", "documents", "items", "messages")

@@ -125,8 +125,11 @@ class Proxy:
         # each attempt writes its own rank (vLLM's in a header, SGLang's in the body)
         sent = client.headers.copy()
         body = dict(incoming.body) if dialect == "sglang" else incoming.body
-        rid, named = ensure_rid(body) if dialect == "sglang" else (None, False)
-        if dialects.write_rank(dialect, target.rank, sent, body) or client.changed or named:
+        rid, named = ensure_rid(body) if dialect == "sglang" and not client.form else (None, False)
+        if client.form:  # a form is not re-encoded: the rank goes in a header, for both
+            dialects.write_rank_header(target.rank, sent)
+            data = client.raw
+        elif dialects.write_rank(dialect, target.rank, sent, body) or client.changed or named:
             data = orjson.dumps(body)
         else:
             data = client.raw  # untouched: forward the client's bytes as they came

@@ -67,6 +67,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     _pooling("/pooling", VLLM, "Pooled hidden states (vLLM)"),
     _pooling("/classify", BOTH, "Classification"),
     _pooling("/encode", SGLANG, "Embeddings, SGLang's native shape"),
+    Endpoint("POST", "/v1/audio/transcriptions", BOTH, "policy", "audio", "Transcribe audio"),
+    Endpoint("POST", "/v1/audio/translations", VLLM, "policy", "audio", "Translate audio (vLLM)"),
     Endpoint("POST", "/tokenize", VLLM, "any", "tokenizer", "Tokenize (vLLM)"),
     Endpoint("POST", "/detokenize", VLLM, "any", "tokenizer", "Detokenize (vLLM)"),
     Endpoint("POST", "/v1/tokenize", SGLANG, "any", "tokenizer", "Tokenize (SGLang)"),

@@ -15,6 +15,7 @@ from multidict import CIMultiDict
 from dprouter.httplog import quiet_malformed
 from dprouter.net import bind, url_of
 from dprouter.sim import endpoints
+from dprouter.sim.audio import Audio
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.endpoints import Handler
 from dprouter.sim.engine import Engine
@@ -103,6 +104,7 @@ class SimServer:
             self.registry = vllm_registry(self.engine)
         app.add_routes(endpoints.Endpoints(self).routes())
         app.add_routes(Pooling(self).routes())
+        app.add_routes(Audio(self).routes())
         app.add_routes(self.responses.routes())
         if self.pd is not None:
             app.add_routes(self.pd.routes())
