@@ -247,3 +247,21 @@ async def test_version_ping_and_sglang_info(
         rows = (await r.json())["workers"]
     assert [row["url"] for row in rows] == [sglang.url] and rows[0]["status"] == 200
     assert vllm.hits["GET /model_info"] == 0
+
+
+async def test_cache_aware_keeps_a_shared_prefix_on_one_target_for_embeddings_too(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=2)] * 2)
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls), policy="cache_aware"))
+    documents = [f"{'a shared preamble of some length ' * 8} then part {i}" for i in range(6)]
+    labels = set()
+    for i, doc in enumerate(documents):
+        body = {"input": [doc, "a second input"]} if i % 2 else {"input": doc}
+        async with http.post(router.url + "/v1/embeddings", json=body) as r:
+            assert r.status == 200
+            labels.add(r.headers["x-dprouter-target"])
+    assert len(labels) == 1  # the input text (a batch's first) carried the prefix
+    other = {"input": "nothing in common with the rest, and long enough to tell " * 4}
+    async with http.post(router.url + "/v1/embeddings", json=other) as r:
+        assert r.headers["x-dprouter-target"] not in labels  # no match: the least loaded
