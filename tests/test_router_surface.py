@@ -3,14 +3,16 @@ which target got each request, what the engine received, what the client got."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import orjson
 import pytest
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig, Persona
+from dprouter.sim.config import EngineConfig, Faults, Persona
 from dprouter.sim.server import SimServer
-from tests.conftest import StartCluster, StartRouter, workers
+from tests.conftest import StartCluster, StartRouter, until, workers
 
 TOKEN = "admin-secret"
 
@@ -104,7 +106,6 @@ async def test_each_pooling_endpoint_passes_through_unchanged_and_ranked(
 async def test_a_pooling_call_fails_over_like_completions(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    from dprouter.sim.config import Faults
 
     broken = EngineConfig(faults=Faults(failing_ranks=frozenset({0, 1})), dp_size=2)
     cluster = await start_cluster([broken, EngineConfig(dp_size=2)])
@@ -265,3 +266,20 @@ async def test_cache_aware_keeps_a_shared_prefix_on_one_target_for_embeddings_to
     other = {"input": "nothing in common with the rest, and long enough to tell " * 4}
     async with http.post(router.url + "/v1/embeddings", json=other) as r:
         assert r.headers["x-dprouter-target"] not in labels  # no match: the least loaded
+
+
+async def test_a_client_leaving_an_embedding_call_frees_its_count_and_aborts_it(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+
+    config = EngineConfig(persona="sglang", dp_size=2, faults=Faults(hang=True))
+    (engine,) = (await start_cluster([config])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    leaving = asyncio.create_task(http.post(router.url + "/v1/embeddings", json={"input": "x"}))
+    assert await until(lambda: len(engine.received) == 1)
+    targets = router.parts.registry.targets()
+    assert sum(t.outstanding for t in targets) == 1  # counted like completions
+    leaving.cancel()
+    assert await until(lambda: len(engine.abort_requests) == 1)
+    assert engine.abort_requests[0] == engine.received[0].body["rid"]  # the rid the router wrote
+    assert await until(lambda: sum(t.outstanding for t in targets) == 0)

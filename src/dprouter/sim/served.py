@@ -74,8 +74,8 @@ async def place(
     if rank in faults.failing_ranks or server.rng.random() < faults.fail_rate:
         server.record(request, body, None)
         raise fail(server, 500, f"simulated failure of rank {rank}", "InternalServerError")
-    if faults.hang:
-        await asyncio.Event().wait()
     server.record(request, body, rank)
     server.served[(request.path, rank)] += 1
+    if faults.hang:
+        await asyncio.Event().wait()  # received, and never answered
     return rank
