@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from dprouter.config import RouterConfig
+from dprouter.kept import Kept
 from dprouter.sim.config import EngineConfig, Persona
-from dprouter.stored import Kept
 from tests.conftest import StartCluster, StartRouter, workers
 
 

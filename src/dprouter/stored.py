@@ -7,23 +7,24 @@ goes first) and expiring (an idle id is forgotten). An id it never saw, or forgo
 is a 404 from the router itself: another worker's 404 would read the same, but a
 wrong worker could also answer something else, and the router cannot tell.
 
-The map is per serving process: under ``--processes N`` a follow-up that lands on
-another process than the one that saw the id is answered 404 (docs/router.md).
+Under ``--processes N`` each serving process keeps its map and tells the control
+plane, which keeps the whole one: a follow-up that lands on another process asks it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from dprouter.config import RouterConfig
+from dprouter.follower import BASE, Channel
 from dprouter.inbound import read_request
+from dprouter.kept import Kept
 from dprouter.metrics import RouterMetrics
 from dprouter.proxy import Proxy
 from dprouter.registry import Registry
@@ -35,35 +36,35 @@ FIRST_ID = re.compile(rb'"id"\s*:\s*"([^"]{1,200})"')  # a stream's first id is 
 LOOK = 64 << 10  # bytes of a stream searched for it
 
 
-class Kept:
-    """Response id -> the label of the target that made it, bounded and expiring."""
+class SharedKept(Kept):
+    """Under ``--processes N``: the ids live in the control plane too, so a follow-up
+    that lands on another serving process finds its target there."""
 
-    def __init__(
-        self,
-        size: int = 100_000,
-        ttl: float = 86_400.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.size = size
-        self.ttl = ttl
-        self.clock = clock
-        self.ids: OrderedDict[str, tuple[str, float]] = OrderedDict()
+    def __init__(self, channel: Channel) -> None:
+        super().__init__()
+        self.channel = channel
 
-    def put(self, rid: str, label: str) -> None:
-        self.ids[rid] = (label, self.clock() + self.ttl)
-        self.ids.move_to_end(rid)
-        while len(self.ids) > self.size:
-            self.ids.popitem(last=False)
+    async def note(self, rid: str, label: str) -> None:
+        self.put(rid, label)
+        said = orjson.dumps({"id": rid, "label": label})
+        try:
+            async with self.channel.session.post(BASE + "/control/responses", data=said) as r:
+                await r.read()
+        except aiohttp.ClientError:
+            pass  # this process still knows it
 
-    def get(self, rid: str) -> str | None:
-        found = self.ids.get(rid)
-        if found is None:
+    async def find(self, rid: str) -> str | None:
+        label = self.get(rid)
+        if label is not None:
+            return label
+        try:
+            async with self.channel.session.get(BASE + "/control/responses/" + rid) as r:
+                if r.status != 200:
+                    return None
+                label = str(orjson.loads(await r.read())["label"])
+        except aiohttp.ClientError:
             return None
-        label, expires = found
-        if self.clock() >= expires:
-            del self.ids[rid]
-            return None
-        self.put(rid, label)  # in use: kept longer
+        self.put(rid, label)
         return label
 
 
@@ -75,6 +76,7 @@ class Learn:
         self.kept = kept
         self.seen = b""
         self.done = False
+        self.noted: asyncio.Task[None] | None = None
 
     def __call__(self, chunk: bytes) -> None:
         if self.done:
@@ -83,7 +85,8 @@ class Learn:
         found = FIRST_ID.search(self.seen)
         if found is not None:
             label = self.request[STREAMING].headers[TARGET_HEADER]
-            self.kept.put(found.group(1).decode(), label)
+            note = self.kept.note(found.group(1).decode(), label)
+            self.noted = asyncio.get_running_loop().create_task(note)
         if found is not None or len(self.seen) > LOOK:
             self.done = True
             self.seen = b""
@@ -106,9 +109,9 @@ class Stored:
         self.unranked = unranked
         self.kept = kept
 
-    def holder(self, rid: str) -> Target | web.Response:
+    async def holder(self, rid: str) -> Target | web.Response:
         """The target that made response ``rid``, or the error to answer with."""
-        label = self.kept.get(rid)
+        label = await self.kept.find(rid)
         if label is None:
             message = (
                 f"Response with id '{rid}' not found: the router never routed it, "
@@ -133,7 +136,7 @@ class Stored:
         if previous is not None and not isinstance(previous, str):
             return error(400, "previous_response_id must be a string", "previous_response_id")
         if previous is not None:
-            found = self.holder(previous)
+            found = await self.holder(previous)
             if isinstance(found, web.Response):
                 return found
             pool: Sequence[Target] = (found,)
@@ -149,13 +152,15 @@ class Stored:
                 rid = orjson.loads(answer.body).get("id")  # type: ignore[arg-type]
             except (orjson.JSONDecodeError, AttributeError):
                 rid = None
-            if isinstance(rid, str):
-                self.kept.put(rid, answer.headers[TARGET_HEADER])
+            if isinstance(rid, str):  # noted before the client has the id
+                await self.kept.note(rid, answer.headers[TARGET_HEADER])
+        elif learn is not None and learn.noted is not None:
+            await learn.noted
         return answer
 
     async def follow(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``."""
-        found = self.holder(request.match_info["id"])
+        found = await self.holder(request.match_info["id"])
         if isinstance(found, web.Response):
             return found
         return await self.unranked.pinned(request, found)

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Literal
 from aiohttp import web
 
 from dprouter.guard import guarded
+from dprouter.kept import Kept
 from dprouter.parse import Kind
 from dprouter.proxy import Proxy, no_pool
 from dprouter.relay import error
-from dprouter.stored import Kept, Stored
+from dprouter.stored import SharedKept, Stored
 from dprouter.targets import DialectName, Worker
 from dprouter.unranked import Unranked
 
@@ -90,7 +91,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 class Surface:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
-        self.kept = Kept()  # this process's response ids
+        # response ids: this process's, and the control plane's under --processes N
+        self.kept = Kept() if parts.control is None else SharedKept(parts.control)
         self._unranked: Unranked | None = None
         self._stored: Stored | None = None
 
