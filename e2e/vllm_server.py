@@ -157,6 +157,7 @@ class VllmServer(EngineProcess):
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
             VLLM_TARGET_DEVICE="cpu",
+            VLLM_ENABLE_RESPONSES_API_STORE="1",  # GET /v1/responses/{id} finds stored ones
             VLLM_HOST_IP=HOST,
             VLLM_PORT=str(internal),
             VLLM_CPU_OMP_THREADS_BIND=self.cpus,

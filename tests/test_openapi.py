@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,24 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
     assert engine.generation_requests > 0  # valid requests reached the engine
+
+
+def _shape(path: str) -> str:
+    return re.sub(r"\{[^}]*\}", "{}", path)
+
+
+async def test_the_description_lists_every_route_the_router_serves(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url), admin_token="t"))
+    served = {
+        (route.method, _shape(route.resource.canonical))
+        for route in router.app.router.routes()
+        if route.method != "HEAD" and route.resource is not None
+    }
+    async with http.get(router.url + "/openapi.json") as r:
+        paths = (await r.json())["paths"]
+    documented = {(m.upper(), _shape(p)) for p, ops in paths.items() for m in ops}
+    assert served - {("GET", "/openapi.json")} == documented
+    assert {("POST", "/generate"), ("POST", "/workers"), ("POST", "/v1/embeddings")} <= served

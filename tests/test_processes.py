@@ -386,3 +386,20 @@ async def test_moriio_engines_register_once_and_both_processes_route_to_them(
             break
     assert upstream_owners(pids, decode_port) == set(pids)  # both processes routed
     assert await until(lambda: in_flight(sup) == 0)
+
+
+async def test_a_stored_response_is_found_whichever_process_takes_the_follow_up(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    cluster = await start_cluster([EngineConfig()] * 4)
+    sup = await start_processes(RouterConfig(workers=workers(*cluster.urls), policy="round_robin"))
+    async with fresh() as s, s.post(sup.url + "/v1/responses", json={"input": "hi"}) as r:
+        assert r.status == 200
+        rid, made_by = (await r.json())["id"], r.headers["x-dprouter-target"]
+
+    async def fetch() -> tuple[int, str | None]:
+        async with fresh() as s, s.get(sup.url + f"/v1/responses/{rid}") as r:
+            return r.status, r.headers.get("x-dprouter-target")
+
+    seen = await asyncio.gather(*(fetch() for _ in range(20)))  # both processes take some
+    assert set(seen) == {(200, made_by)}

@@ -95,11 +95,13 @@ class Rules:
         data: bytes,
         headers: CIMultiDict[str],
         side: Side | None = None,
+        method: str = "POST",
     ) -> aiohttp.ClientResponse:
         """Send one attempt; what went wrong before an answer raises ``Failed``."""
+        url = target.worker.url + path
         try:
             async with self.first_byte():
-                return await self.session.post(target.worker.url + path, data=data, headers=headers)
+                return await self.session.request(method, url, data=data, headers=headers)
         except aiohttp.ClientConnectorError as exc:
             raise Failed(target, "connect", f"cannot connect ({exc.os_error})", side) from exc
         except aiohttp.ConnectionTimeoutError as exc:

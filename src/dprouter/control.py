@@ -22,6 +22,7 @@ from dprouter.admin import Admin
 from dprouter.breaker import Breakers
 from dprouter.claims import Claims, claims
 from dprouter.config import RouterConfig
+from dprouter.kept import Kept
 from dprouter.membership import sources
 from dprouter.monitor import Monitor
 from dprouter.pd.registration import Registration
@@ -81,6 +82,7 @@ class ControlPlane:
         # manual's key tables live here (one per role), so a key sticks whichever process
         # serves it
         self.sessions: dict[str, Manual] = {}
+        self.responses = Kept()  # Responses API ids -> target labels, from every process
         self._claims: dict[str, Claims | None] = {}  # under etcd discovery, by role
         self.registration: Registration | None = None
         self.sources = sources(config, registry, monitor)  # of workers: etcd
@@ -96,6 +98,8 @@ class ControlPlane:
                 web.get("/control/state", self.state),
                 web.post("/control/events", self.events),
                 web.post("/control/place", self.place),
+                web.post("/control/responses", self.response_noted),
+                web.get("/control/responses/{id}", self.response_found),
                 *Admin(config, registry, monitor, self.sources).routes(),
             ]
         )
@@ -222,3 +226,14 @@ class ControlPlane:
             await claimed.place(candidates, info)
         target = sessions.select(candidates, info)
         return web.json_response({"slot": target.slot})
+
+    async def response_noted(self, request: web.Request) -> web.Response:
+        said = orjson.loads(await request.read())
+        self.responses.put(str(said["id"]), str(said["label"]))
+        return web.Response(status=204)
+
+    async def response_found(self, request: web.Request) -> web.Response:
+        label = self.responses.get(request.match_info["id"])
+        if label is None:
+            return error(404, "unknown response id")
+        return web.json_response({"label": label})

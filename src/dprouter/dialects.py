@@ -85,3 +85,11 @@ def write_rank(
     body["routed_dp_rank"] = rank
     body["data_parallel_rank"] = rank  # older SGLang engines read only this name
     return True
+
+
+def write_rank_header(rank: int | None, headers: MutableMapping[str, str]) -> None:
+    """Write ``rank`` as a header for either engine: a form body (audio) cannot take a
+    field without being re-encoded, and SGLang's OpenAI endpoints read vLLM's header too
+    (``X-Data-Parallel-Rank``, over any body field)."""
+    if rank is not None:
+        headers[VLLM_RANK_HEADER] = str(rank)

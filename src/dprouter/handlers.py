@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dprouter.admin import Admin
-from dprouter.drain import grace_over
 from dprouter.follower import AdminRelay
+from dprouter.guard import guarded
 from dprouter.openapi import describe
 from dprouter.parse import Kind
-from dprouter.relay import STREAMING, error
+from dprouter.relay import error
+from dprouter.surface import Surface
 from dprouter.targets import Role
 
 if TYPE_CHECKING:
     from dprouter.app import Parts
-
-STOPPING = {"Retry-After": "1"}  # and Connection: close (see _closing)
 
 
 class Handlers:
@@ -37,6 +36,9 @@ class Handlers:
             web.get("/v1/models/{model:.+}", self.model),
             web.get("/health", self.health),
             web.get("/readiness", self.readiness),
+            web.get("/ping", self.readiness),  # SageMaker's name for it
+            web.post("/ping", self.readiness),
+            *Surface(p).routes(),
             web.get("/metrics", self.metrics),
             web.get("/openapi.json", self.openapi),
             *(
@@ -56,34 +58,9 @@ class Handlers:
         return await self.routed(request, "generate")
 
     async def routed(self, request: web.Request, kind: Kind) -> web.StreamResponse:
-        p = self.parts
-        assert p.proxy is not None
-        if p.drain.draining:  # a kept-alive connection's next request, after SIGTERM
-            p.metrics.rejected.labels("stopping").inc()
-            return _closing(error(503, "the router is stopping; retry", headers=STOPPING))
-        task = p.drain.enter()
-        try:
-            refused = await p.admission.enter()
-            if refused is not None:
-                p.metrics.rejected.labels("overloaded").inc()
-                message = f"the router is at capacity ({refused}); retry later"
-                return error(429, message, headers={"Retry-After": "1"})
-            try:  # a stream holds its slot until its last byte
-                return await p.proxy.handle(request, kind)
-            finally:
-                p.admission.leave()
-        except asyncio.CancelledError as exc:
-            if not grace_over(exc):
-                raise  # the client left
-            if task is not None:
-                task.uncancel()
-            begun: web.StreamResponse | None = request.get(STREAMING)
-            if begun is not None:  # its last words are written
-                return begun
-            message = "the router stopped: its grace period ran out before the engine answered"
-            return _closing(error(503, message, headers=STOPPING))
-        finally:
-            p.drain.leave(task)
+        proxy = self.parts.proxy
+        assert proxy is not None
+        return await guarded(self.parts, request, partial(proxy.handle, request, kind))
 
     async def models(self, _: web.Request) -> web.Response:
         cards = list(self.parts.registry.snapshot.model_cards().values())
@@ -114,8 +91,3 @@ class Handlers:
     async def metrics(self, _: web.Request) -> web.Response:
         body = self.parts.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _closing(resp: web.Response) -> web.Response:
-    resp.force_close()  # the client opens a new connection: to a router that listens
-    return resp

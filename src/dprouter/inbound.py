@@ -14,6 +14,7 @@ from multidict import CIMultiDict
 
 from dprouter import dialects
 from dprouter.config import RouterConfig
+from dprouter.form import parse_form
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import BadRequest, Incoming, Kind, parse
 from dprouter.relay import HOP_BY_HOP, error
@@ -30,6 +31,13 @@ class ClientRequest:
     pinned: int | None  # the rank a trusted client named (P/D: the decode's)
     pinned_prefill: int | None  # P/D: the prefill rank a trusted client named
     changed: bool  # a client rank field was removed from the body
+    form: bool = False  # multipart/form-data: forwarded as it came, the rank in a header
+
+
+def forwarded(request: web.Request, config: RouterConfig) -> CIMultiDict[str]:
+    """The client's headers that go on to the engine."""
+    dropped = NOT_FORWARDED if config.forward_authorization else NOT_FORWARDED_WITH_AUTH
+    return CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in dropped)
 
 
 async def read_request(
@@ -38,20 +46,18 @@ async def read_request(
     """The request, or the error to answer with (nothing reached an engine)."""
     try:
         raw = await request.read()
-        incoming = parse(raw, kind, request.headers)
-        dropped = NOT_FORWARDED if config.forward_authorization else NOT_FORWARDED_WITH_AUTH
-        headers = CIMultiDict(
-            (k, v) for k, v in request.headers.items() if k.lower() not in dropped
-        )
+        form = kind == "audio"
+        incoming = parse_form(raw, request.headers) if form else parse(raw, kind, request.headers)
+        headers = forwarded(request, config)
         pinned = prefill = None
         if config.trust_client_rank:
             pinned = dialects.client_rank(headers, incoming.body)
             if config.pd is None:  # a rankless target passes the client's rank to its engine
-                return ClientRequest(raw, incoming, headers, pinned, None, changed=False)
+                return ClientRequest(raw, incoming, headers, pinned, None, False, form)
             # P/D: the ranks pick the pair; each leg then carries its own target's rank
             prefill = dialects.client_prefill_rank(incoming.body)
         changed = dialects.strip_client_rank(headers, incoming.body)
-        return ClientRequest(raw, incoming, headers, pinned, prefill, changed)
+        return ClientRequest(raw, incoming, headers, pinned, prefill, changed, form)
     except web.HTTPRequestEntityTooLarge:
         metrics.rejected.labels("too_large").inc()
         return error(413, f"request body exceeds {config.max_body} bytes")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from importlib.metadata import version
 from typing import Any
 
+from dprouter.surface import ENDPOINTS
+
 ERROR = {
     "type": "object",
     "required": ["error"],
@@ -50,6 +52,12 @@ MESSAGES = {
             "content": {"type": "string", "maxLength": 2000},
         },
     },
+}
+
+FORM = {
+    "type": "object",
+    "required": ["file"],
+    "properties": {"model": {"type": "string"}, "file": {"type": "string", "format": "binary"}},
 }
 
 
@@ -94,6 +102,44 @@ def _get(summary: str, media: str, schema: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _answers(*statuses: int) -> dict[str, Any]:
+    ok = {"description": "the answer", "content": {"application/json": {"schema": {}}}}
+    return {str(s): ok if s < 300 else _error(f"HTTP {s}") for s in statuses}
+
+
+def _operation(summary: str, body: bool, *statuses: int, param: bool = False) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": _answers(*statuses)}
+    if body:
+        schema = {"type": "object", "properties": {**COMMON, "input": PROMPT}}
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    if param:
+        op["parameters"] = [
+            {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+        ]
+    return op
+
+
+ROUTED = (200, 400, 404, 413, 429, 502, 503)
+ADMIN = (200, 201, 400, 401, 403, 404, 409, 502, 503)
+
+
+def _surface() -> dict[str, Any]:
+    """The engine endpoints of ``surface.ENDPOINTS``, as the router checks them."""
+    paths: dict[str, Any] = {}
+    for e in ENDPOINTS:
+        if e.routing == "admin":
+            statuses: tuple[int, ...] = (200, 401, 403, 404, 502, 503)
+        elif e.routing == "each":
+            statuses = (200, 404, 502, 503)
+        else:
+            statuses = ROUTED
+        op = _operation(e.summary, e.kind is not None, *statuses, param="{id}" in e.path)
+        if e.kind == "audio":
+            op["requestBody"]["content"] = {"multipart/form-data": {"schema": FORM}}
+        paths.setdefault(e.path, {})[e.method.lower()] = op
+    return paths
+
+
 def describe() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
@@ -103,11 +149,26 @@ def describe() -> dict[str, Any]:
             "/v1/chat/completions": _routed(
                 "Chat completion", ["messages"], {"messages": MESSAGES}
             ),
+            "/generate": _routed("SGLang's native generation", ["text"], {"text": PROMPT}),
+            **_surface(),
             "/v1/models": _get("Models the workers serve", "application/json", {"type": "object"}),
+            "/v1/models/{id}": {"get": _operation("One model's card", False, 200, 404, param=True)},
             "/health": _get("The router is up", "application/json", {"type": "object"}),
             "/readiness": _get(
                 "A worker is ready per role", "application/json", {"type": "object"}
             ),
+            "/ping": {
+                "get": _operation("The router's readiness (SageMaker)", False, 200, 503),
+                "post": _operation("The router's readiness (SageMaker)", False, 200, 503),
+            },
+            "/version": {"get": _operation("The router's and each worker's version", False, 200)},
             "/metrics": _get("Prometheus metrics", "text/plain", {"type": "string"}),
+            "/workers": {
+                "get": _operation("Admin: the workers", False, *ADMIN),
+                "post": _operation("Admin: add a worker", True, *ADMIN),
+            },
+            "/workers/{id}": {
+                "delete": _operation("Admin: remove a worker", False, *ADMIN, param=True)
+            },
         },
     }

@@ -12,7 +12,10 @@ from typing import Any, Literal
 
 import orjson
 
-Kind = Literal["completion", "chat", "generate"]
+Kind = Literal["completion", "chat", "generate", "pooling", "tokenizer", "responses", "audio"]
+# bodies the router reads only for routing (model, key, text); the engine checks the rest
+LOOSE: frozenset[Kind] = frozenset({"pooling", "tokenizer", "responses"})
+TEXT_FIELDS = ("input", "text", "prompt", "query", "text_1", "documents", "items", "messages")
 KEY_HEADERS = ("X-SMG-Routing-Key", "X-Session-ID")
 KEY_FIELDS = ("session_id", "user")
 MAX_KEY = 512
@@ -105,6 +108,21 @@ def _prompt(body: Mapping[str, Any], kind: Kind) -> tuple[str, int]:
     raise BadRequest(f"{name} must be a non-empty string or list", name)
 
 
+def _loose_text(body: Mapping[str, Any]) -> tuple[str, int]:
+    """Text for prefix affinity from the first text field there is: a batch (a list of
+    strings) is one request, its first input standing for it; none at all is no error."""
+    for name in TEXT_FIELDS:
+        value = body.get(name)
+        if isinstance(value, list) and value:
+            if all(isinstance(v, dict) for v in value):  # messages, or Responses items
+                text, length = _chat_text([v for v in value if "content" in v] or [{}])
+                return text, length // 4
+            value = value[0]
+        if isinstance(value, str) and value:
+            return value[:AFFINITY_CHARS], len(value) // 4
+    return "", 0
+
+
 def routing_key(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
     for name in KEY_HEADERS:
         value = headers.get(name)
@@ -128,6 +146,14 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         raise BadRequest("request body must be a JSON object")
     model = _typed(body, "model", (str,), "a string")
     stream = bool(_typed(body, "stream", (bool,), "true or false"))
+    if kind in LOOSE:
+        limit = _limit(body, "max_output_tokens") if kind == "responses" else None
+        output = (DEFAULT_OUTPUT if limit is None else limit) if kind == "responses" else 0
+        text, prompt_tokens = _loose_text(body)
+        key = routing_key(headers, body)
+        return Incoming(
+            body, model, stream, key, text, prompt_tokens + output, output, prompt_tokens, limit
+        )
     if kind == "generate":
         params = _typed(body, "sampling_params", (dict,), "an object") or {}
         limit = _limit(params, "max_new_tokens", least=0)  # SGLang: 0 is prefill only

@@ -10,7 +10,7 @@ engine stops generating (an SGLang engine is also told to abort).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import orjson
@@ -52,16 +52,34 @@ class Proxy:
         self.rules = rules
         self.aborter = Aborter(rules.session)  # SGLang: a client that leaves aborts its request
 
-    async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request, kind: Kind, dialect: DialectName | None = None
+    ) -> web.StreamResponse:
+        """``dialect``: only workers of that dialect serve this path (None: any)."""
+        if kind == "generate":
+            dialect = "sglang"  # SGLang's own
         started = asyncio.get_running_loop().time()
         client = await read_request(request, kind, self.config, self.metrics)
         if isinstance(client, web.Response):
             return client
-        incoming = client.incoming
-        self.rules.output.apply(incoming)  # counted by its likely output, not its cap
-        pool = self._pool(kind, incoming, client.pinned)
+        self.rules.output.apply(client.incoming)  # counted by its likely output, not its cap
+        pool = self.pool(request.path, client.incoming, client.pinned, dialect)
         if isinstance(pool, web.Response):
             return pool
+        return await self.forward(request, client, kind, pool, started)
+
+    async def forward(
+        self,
+        request: web.Request,
+        client: ClientRequest,
+        kind: Kind,
+        pool: Sequence[Target],
+        started: float,
+        watch: Callable[[bytes], None] | None = None,
+    ) -> web.StreamResponse:
+        """Pick a target of ``pool`` by the policy, write its rank, forward, retry; a
+        stream's bytes pass ``watch`` on their way to the client."""
+        incoming = client.incoming
         info = RequestInfo(
             key=incoming.key,
             text=incoming.text,
@@ -86,7 +104,7 @@ class Proxy:
             try:
                 with counted:  # counted on every exit, a claimed one too
                     return await self._attempt(
-                        request, client, counted, attempts, candidates, started
+                        request, client, counted, attempts, candidates, started, watch
                     )
             except Failed as failure:
                 attempts.failed(failure)
@@ -100,14 +118,18 @@ class Proxy:
         attempts: Attempts,
         candidates: Sequence[Target],
         started: float,
+        watch: Callable[[bytes], None] | None,
     ) -> web.StreamResponse:
         incoming, target = client.incoming, counted.target
         dialect = target.worker.dialect or "vllm"
         # each attempt writes its own rank (vLLM's in a header, SGLang's in the body)
         sent = client.headers.copy()
         body = dict(incoming.body) if dialect == "sglang" else incoming.body
-        rid, named = ensure_rid(body) if dialect == "sglang" else (None, False)
-        if dialects.write_rank(dialect, target.rank, sent, body) or client.changed or named:
+        rid, named = ensure_rid(body) if dialect == "sglang" and not client.form else (None, False)
+        if client.form:  # a form is not re-encoded: the rank goes in a header, for both
+            dialects.write_rank_header(target.rank, sent)
+            data = client.raw
+        elif dialects.write_rank(dialect, target.rank, sent, body) or client.changed or named:
             data = orjson.dumps(body)
         else:
             data = client.raw  # untouched: forward the client's bytes as they came
@@ -115,20 +137,18 @@ class Proxy:
             upstream = await self.rules.post(target, request.path_qs, data, sent)
             self.rules.judge(target, upstream, attempts.last_chance(candidates))
             try:
-                answer = await relay(
-                    request, upstream, target, self.metrics.series(target), started, counted
-                )
+                series = self.metrics.series(target)
+                answer = await relay(request, upstream, target, series, started, counted, watch)
             except UpstreamBroke as exc:
                 raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
             attempts.answered(answer, target)
             learn(self.rules.output, answer, counted, incoming.model)
             return answer
 
-    def _pool(
-        self, kind: Kind, incoming: Incoming, pinned: int | None
+    def pool(
+        self, path: str, incoming: Incoming, pinned: int | None, dialect: DialectName | None
     ) -> Sequence[Target] | web.Response:
         snapshot = self.registry.snapshot
-        dialect: DialectName | None = "sglang" if kind == "generate" else None  # SGLang's own
         pool = snapshot.pool("regular", incoming.model, dialect)
         if pool and pinned is not None:
             # a rankless target (DP-aware off) passes the client's rank to its engine
@@ -141,10 +161,21 @@ class Proxy:
             self.metrics.rejected.labels("unknown_model").inc()
             message = f"The model `{incoming.model}` does not exist."
             return error(404, message, "model")
-        if dialect and all(w.dialect == "vllm" for w in self.registry.workers.values()):
-            self.metrics.rejected.labels("no_target").inc()  # and none ever will be
-            message = "no SGLang worker is configured: /generate is SGLang's own endpoint"
-            return error(404, message)
-        self.metrics.rejected.labels("no_target").inc()
-        what = "SGLang worker for /generate" if dialect else "worker"
-        return error(503, f"no ready {what} to route to")
+        return no_pool(self.registry, self.metrics, dialect, path)
+
+
+DIALECT_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
+def no_pool(
+    registry: Registry, metrics: RouterMetrics, dialect: DialectName | None, path: str
+) -> web.Response:
+    """The answer when no target can take a request: 404 when no worker of the path's
+    dialect is even configured (none ever will be), else 503."""
+    metrics.rejected.labels("no_target").inc()
+    if dialect is None:
+        return error(503, "no ready worker to route to")
+    name = DIALECT_NAMES[dialect]
+    if all(w.dialect not in (dialect, None) for w in registry.workers.values()):
+        return error(404, f"no {name} worker is configured: {path} is {name}'s own endpoint")
+    return error(503, f"no ready {name} worker for {path} to route to")

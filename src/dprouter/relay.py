@@ -12,6 +12,7 @@ answering 500, though the status already said 200).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -89,10 +90,12 @@ async def relay(
     series: TargetSeries,
     started: float,
     counted: Outstanding | None = None,
+    watch: Callable[[bytes], None] | None = None,
     extra: dict[str, str] | None = None,
 ) -> web.StreamResponse:
     """Answer ``request`` with ``upstream``; always closes or releases ``upstream``. A
-    stream's events spend ``counted``'s output budget as they pass."""
+    stream's events spend ``counted``'s output budget as they pass, and its chunks
+    pass ``watch`` (the Responses API learns a stream's response id so)."""
     loop = asyncio.get_running_loop()
     # a multidict keeps repeated headers (two Set-Cookie, say) that a dict would merge away
     headers = CIMultiDict(
@@ -115,7 +118,7 @@ async def relay(
             resp = web.StreamResponse(status=upstream.status, headers=headers)
             await resp.prepare(request)
             request[STREAMING] = resp  # begun: whatever happens, this is the answer
-            await _stream(resp, upstream, target, series, started, counted)
+            await _stream(resp, upstream, target, series, started, counted, watch)
         done = True
     finally:
         if done:
@@ -134,6 +137,7 @@ async def _stream(
     series: TargetSeries,
     started: float,
     counted: Outstanding | None,
+    watch: Callable[[bytes], None] | None,
 ) -> None:
     """Pass the stream on. An engine that breaks it off, or the end of the router's grace
     period, still leaves the client a well-formed ending: an error event and ``[DONE]``.
@@ -151,6 +155,8 @@ async def _stream(
                 series.first_byte.observe(loop.time() - started)
                 first = False
             await resp.write(chunk)
+            if watch is not None:
+                watch(chunk)
             tail = chunk[-2:] if len(chunk) > 1 else (tail + chunk)[-2:]
             if counted is not None:
                 events += chunk.count(b"\n\n")

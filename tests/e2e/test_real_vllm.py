@@ -81,6 +81,32 @@ async def test_discovery_round_robin_and_exact_engine_counts(
     assert rose == {"0": k, "1": k}
 
 
+async def test_tokenizer_round_trip_and_a_stored_response_fetched_by_id(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url),)))
+    async with http.post(router.url + "/tokenize", json={"model": "tiny", "prompt": "hello"}) as r:
+        assert r.status == 200, await r.text()
+        tokens = await r.json()
+        assert r.headers["x-dprouter-target"] == "w0"  # the worker: no rank
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    async with http.post(router.url + "/detokenize", json={"model": "tiny", **tokens}) as r:
+        assert r.status == 200, await r.text()
+        assert "hello" in (await r.json())["prompt"]
+    body = {"model": "tiny", "input": "hello there", "max_output_tokens": 4}
+    async with http.post(router.url + "/v1/responses", json=body) as r:
+        assert r.status == 200, await r.text()
+        made = await r.json()
+        target = r.headers["x-dprouter-target"]
+    async with http.get(router.url + f"/v1/responses/{made['id']}") as r:
+        assert r.status == 200, await r.text()
+        assert (await r.json())["id"] == made["id"]
+        assert r.headers["x-dprouter-target"] == target
+    async with http.get(router.url + "/v1/responses/resp_never_seen") as r:
+        assert r.status == 404 and "never routed" in (await r.json())["error"]["message"]
+    SUMMARY.append(f"tokenize {tokens['count']} tokens; response {made['id']} on {target}")
+
+
 async def test_a_session_sticks_to_one_engine_label(
     vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:

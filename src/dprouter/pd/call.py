@@ -138,7 +138,7 @@ class Call:
                 self.metrics.series(target),
                 self.started,
                 self.decoding if self.decoding and self.decoding.target is target else None,
-                {PREFILL_HEADER: prefill.label},
+                extra={PREFILL_HEADER: prefill.label},
             )
         except UpstreamBroke as exc:
             side: Side = "prefill" if target is prefill else "decode"

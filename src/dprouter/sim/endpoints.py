@@ -46,6 +46,10 @@ class Endpoints:
                 web.get("/metrics", self.metrics),
                 web.get("/ping", self.ping),
                 web.get("/version", self.version),
+                web.post("/reset_prefix_cache", self.reset_cache),
+                # engine control: served here so tests can show the router never passes it on
+                web.post("/sleep", self.reset_cache),
+                web.post("/wake_up", self.reset_cache),
             ]
         return [
             *common,
@@ -54,6 +58,10 @@ class Endpoints:
             web.get("/v1/loads", self.loads),
             web.post("/generate", self.generate),
             web.get("/health_generate", self.ping),
+            web.get("/model_info", self.model_info),
+            web.get("/get_model_info", self.model_info),
+            web.route("*", "/flush_cache", self.reset_cache),
+            web.post("/update_weights_from_disk", self.reset_cache),
             web.post("/abort_request", self.abort_request),
             # SGLang 0.5.23 answers /get_load with 404
             *([web.get("/get_load", self.get_load)] if self.server.config.legacy_sglang else []),
@@ -112,6 +120,17 @@ class Endpoints:
 
     async def get_load(self, _: web.Request) -> web.Response:
         return web.json_response(sglang_info.old_loads(self.server.engine.ranks))
+
+    async def model_info(self, _: web.Request) -> web.Response:
+        config = self.server.config
+        info = {"model_path": config.model, "tokenizer_path": config.model, "is_generation": True}
+        return web.json_response(info)
+
+    async def reset_cache(self, request: web.Request) -> web.Response:
+        """Cache resets and engine control: counted (in ``hits``), answered 200."""
+        if self.server.persona.name == "sglang" and request.path == "/flush_cache":
+            return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
+        return web.Response(status=200)
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:

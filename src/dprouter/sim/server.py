@@ -15,6 +15,7 @@ from multidict import CIMultiDict
 from dprouter.httplog import quiet_malformed
 from dprouter.net import bind, url_of
 from dprouter.sim import endpoints
+from dprouter.sim.audio import Audio
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.endpoints import Handler
 from dprouter.sim.engine import Engine
@@ -22,8 +23,10 @@ from dprouter.sim.metrics import vllm_registry
 from dprouter.sim.pd import Me
 from dprouter.sim.pd_side import PdSide
 from dprouter.sim.persona import persona_for
+from dprouter.sim.pooling import Pooling
 from dprouter.sim.request import SimRequest
 from dprouter.sim.runner import EngineRunner
+from dprouter.sim.stored import Responses
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class SimServer:
         self.received: deque[Received] = deque(maxlen=10_000)
         self.hits: Counter[str] = Counter()  # "GET /metrics": requests per method and path
         self.abort_requests: deque[object] = deque(maxlen=10_000)  # rids sent to /abort_request
+        self.served: Counter[tuple[str, int | None]] = Counter()  # (path, rank): non-generation
+        self.next_rank = 0  # where the next unpinned non-generation request goes
         self.started = asyncio.Event()
         self.generation_requests = 0
         self.active = 0  # generation requests being handled right now
@@ -69,6 +74,7 @@ class SimServer:
         self.engine: Engine
         self.runner: EngineRunner
         self.pd = PdSide(self, config.pd) if config.pd is not None else None
+        self.responses = Responses(self)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -97,6 +103,9 @@ class SimServer:
         if self.persona.name == "vllm":
             self.registry = vllm_registry(self.engine)
         app.add_routes(endpoints.Endpoints(self).routes())
+        app.add_routes(Pooling(self).routes())
+        app.add_routes(Audio(self).routes())
+        app.add_routes(self.responses.routes())
         if self.pd is not None:
             app.add_routes(self.pd.routes())
         return app
@@ -109,6 +118,7 @@ class SimServer:
     async def start(self) -> None:
         quiet_malformed()  # peers probe with HTTP/2 prior knowledge: one line, not a trace
         self.engine = Engine(self.config, self.engine_id)
+        self.responses = Responses(self)  # a restarted engine has forgotten them all
         self.runner = EngineRunner(self.engine)
         self.runner.start()
         self.generation_requests = 0

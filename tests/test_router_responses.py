@@ -1,0 +1,128 @@
+"""The Responses API through the router: whatever names a stored response reaches the
+worker that made it, and an id the router does not know is its own clear 404."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+import pytest
+
+from dprouter.config import RouterConfig
+from dprouter.kept import Kept
+from dprouter.sim.config import EngineConfig, Persona
+from tests.conftest import StartCluster, StartRouter, workers
+
+
+async def create(
+    http: aiohttp.ClientSession, url: str, body: dict[str, object]
+) -> tuple[str, str, bytes]:
+    """The new response's id, the target that made it, and the bytes the client got."""
+    async with http.post(url + "/v1/responses", json=body) as r:
+        assert r.status == 200, await r.text()
+        raw = await r.read()
+        target = r.headers["x-dprouter-target"]
+    if body.get("stream"):
+        first = raw.split(b"\n\n")[0].split(b"data: ", 1)[1]
+        return orjson.loads(first)["response"]["id"], target, raw
+    return orjson.loads(raw)["id"], target, raw
+
+
+@pytest.mark.parametrize("persona", ["vllm", "sglang"])
+async def test_fifty_follow_ups_in_a_row_each_reach_the_worker_that_stored_it(
+    persona: Persona,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    cluster = await start_cluster([EngineConfig(persona=persona)] * 4)
+    config = RouterConfig(workers=workers(*cluster.urls), policy="round_robin")
+    router = await start_router(config)
+    by_url = {s.url: s for s in cluster.servers}
+    rid, made_by, _ = await create(http, router.url, {"input": "hello", "model": "sim-model"})
+    for i in range(50):
+        async with http.get(router.url + f"/v1/responses/{rid}") as r:
+            assert r.status == 200
+            assert (await r.json())["id"] == rid
+            assert r.headers["x-dprouter-target"] == made_by
+        body = {"input": f"turn {i}", "previous_response_id": rid, "stream": i % 2 == 1}
+        new, target, _ = await create(http, router.url, body)
+        assert target == made_by  # the policy alone would have gone round the four
+        rid = new
+    # every engine but one saw no follow-up, and that one never answered 404
+    held = [s for s in by_url.values() if s.responses.kept]
+    assert len(held) == 1 and len(held[0].responses.kept) == 51
+    # meanwhile new conversations went round all four
+    seen = {(await create(http, router.url, {"input": "new"}))[1] for _ in range(4)}
+    assert len(seen) == 4
+
+
+async def test_a_stream_reaches_the_client_byte_for_byte_and_is_followed_up(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    cluster = await start_cluster([EngineConfig(dp_size=2)] * 2)
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    rid, target, raw = await create(http, router.url, {"input": "stream me", "stream": True})
+    engine = next(s for s in cluster.servers if rid in s.responses.kept)
+    async with http.get(engine.url + f"/v1/responses/{rid}") as r:
+        stored = await r.json()
+    text = stored["output"][0]["content"][0]["text"]
+    deltas = [line for line in raw.split(b"\n") if b"output_text.delta" in line]
+    assert raw.startswith(b"event: response.created\n") and raw.endswith(b"\n\n")
+    assert len(deltas) == 2 * len(text.split())  # an event line and a data line per word
+    rank = int(target.split("/")[1])
+    assert engine.responses.kept[rid].rank == rank  # the rank the router chose made it
+    async with http.get(router.url + f"/v1/responses/{rid}") as r:
+        assert r.status == 200 and r.headers["x-sim-dp-rank"] == str(rank)
+        got = [g for g in engine.received if g.path == f"/v1/responses/{rid}"][-1]
+        assert got.headers["X-data-parallel-rank"] == str(rank)
+
+
+async def test_unknown_and_forgotten_ids_are_the_routers_own_404(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig()])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    for method, path in [("GET", "/v1/responses/resp_x"), ("POST", "/v1/responses/resp_x/cancel")]:
+        async with http.request(method, router.url + path) as r:
+            assert r.status == 404
+            error = (await r.json())["error"]
+            assert "the router never routed it" in error["message"]
+            assert error["type"] == "not_found_error" and error["param"] == "response_id"
+    body = {"input": "hi", "previous_response_id": "resp_x"}
+    async with http.post(router.url + "/v1/responses", json=body) as r:
+        assert r.status == 404
+    async with http.post(
+        router.url + "/v1/responses", json={**body, "previous_response_id": 3}
+    ) as r:
+        assert r.status == 400
+    assert not engine.received  # nothing reached the engine
+
+
+async def test_a_background_response_is_cancelled_on_its_own_worker(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    cluster = await start_cluster([EngineConfig(persona="sglang")] * 3)
+    config = RouterConfig(workers=workers(*cluster.urls), policy="round_robin")
+    router = await start_router(config)
+    body = {"input": "long", "background": True, "max_output_tokens": 3000}  # 300 s of work
+    rid, made_by, _ = await create(http, router.url, body)
+    async with http.get(router.url + f"/v1/responses/{rid}") as r:
+        assert (await r.json())["status"] == "in_progress"
+    async with http.post(router.url + f"/v1/responses/{rid}/cancel") as r:
+        assert r.status == 200 and (await r.json())["status"] == "cancelled"
+        assert r.headers["x-dprouter-target"] == made_by
+    async with http.get(router.url + f"/v1/responses/{rid}") as r:
+        assert (await r.json())["status"] == "cancelled"
+
+
+def test_the_id_map_is_bounded_and_forgets_idle_ids() -> None:
+    now = [0.0]
+    kept = Kept(size=3, ttl=10.0, clock=lambda: now[0])
+    for i in range(4):
+        kept.put(f"r{i}", f"w{i}")
+    assert kept.get("r0") is None  # the oldest went first
+    assert kept.get("r1") == "w1"
+    now[0] = 9.0
+    assert kept.get("r1") == "w1"  # in use: kept ten seconds more
+    now[0] = 12.0
+    assert kept.get("r2") is None and kept.get("r1") == "w1"
