@@ -58,7 +58,7 @@ class Upload:
             return self.head
         try:
             chunk = await self.rest.readany()
-        except (ConnectionError, web.HTTPException):
+        except Exception:  # a reset, a malformed chunk: the client's side, whatever it was
             self.client_gone = True  # not the engine's fault: no breaker counts it
             raise
         if not chunk:
@@ -115,7 +115,8 @@ async def read_upload(
                 " serves several models; send the model field before the file"
             )
             raise BadRequest(message, "model")
-    return form.incoming(seen, request.headers), bytes(buf), Upload(bytes(buf), content, limit)
+    head = bytes(buf)
+    return form.incoming(seen, request.headers), head, Upload(head, content, limit)
 
 
 def broke(
