@@ -304,17 +304,17 @@ async def test_the_first_byte_clock_starts_once_the_upload_is_sent(
 ) -> None:
     quick, slow = (
         await start_cluster(
-            [EngineConfig(model="quick"), EngineConfig(model="slow", faults=Faults(delay=1.0))]
+            [EngineConfig(model="quick"), EngineConfig(model="slow", faults=Faults(delay=1.5))]
         )
     ).servers
-    config = RouterConfig(workers=workers(quick.url, slow.url), first_byte_timeout=0.3)
+    config = RouterConfig(workers=workers(quick.url, slow.url), first_byte_timeout=0.5)
     router = await start_router(config)
     audio = random.Random(14).randbytes(1 << 20)
     # sent over about 1.3 s, longer than the timer: the engine answers at once after it
     sent = trickle(multipart(audio, "quick"), until_arrived(4 * CHUNK, quick), pause=0.08)
     async with http.post(router.url + PATH, data=sent, headers=FORM_TYPE) as r:
         assert r.status == 200 and (await r.json())["text"] == transcript(audio)
-    # an answer that starts a second after the upload ends is past the timer
+    # an answer that starts 1.5 s after the upload ends is past the timer
     sent = trickle(multipart(audio, "slow"), until_arrived(4 * CHUNK, slow))
     async with http.post(router.url + PATH, data=sent, headers=FORM_TYPE) as r:
         assert r.status == 502
