@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import random
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -30,6 +31,7 @@ from dprouter.estimate import OutputEstimate
 from dprouter.metrics import RouterMetrics
 from dprouter.relay import CUT, error
 from dprouter.targets import Target, Worker
+from dprouter.upload import Upload
 
 Side = Literal["prefill", "decode"]
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -37,6 +39,7 @@ BUSY = frozenset({408, 429})
 NO_TIMER = contextlib.nullcontext()
 RETRY_BACKOFF_MAX = 1.0  # seconds, the longest wait between two attempts
 REST_MAX = 60.0  # seconds, the longest pause a Retry-After can ask of a target
+LARGE = 1 << 20  # bytes: aiohttp warns of a body this large sent as one piece
 WORKER_DOWN = frozenset({"connect", "connect_timeout", "no_answer"})  # all its ranks are out
 
 
@@ -86,22 +89,26 @@ class Rules:
         self.jitter = random.Random(seed)
         self.output = OutputEstimate()  # typical output lengths, learned from the answers
         fb = first_byte_timeout  # the answer must start in time; off: no timer per request
+        self.first_byte_timeout = fb
         self.first_byte = (lambda: asyncio.timeout(fb)) if fb else (lambda: NO_TIMER)
 
     async def post(
         self,
         target: Target,
         path: str,
-        data: bytes,
+        data: bytes | Upload,
         headers: CIMultiDict[str],
         side: Side | None = None,
         method: str = "POST",
     ) -> aiohttp.ClientResponse:
         """Send one attempt; what went wrong before an answer raises ``Failed``."""
         url = target.worker.url + path
+        # a large body held whole is written a piece at a time (as aiohttp asks), from a
+        # fresh reader per attempt; an upload is its own reader
+        body = io.BytesIO(data) if isinstance(data, bytes) and len(data) > LARGE else data
         try:
-            async with self.first_byte():
-                return await self.session.request(method, url, data=data, headers=headers)
+            async with self._first_byte(data):
+                return await self.session.request(method, url, data=body, headers=headers)
         except aiohttp.ClientConnectorError as exc:
             raise Failed(target, "connect", f"cannot connect ({exc.os_error})", side) from exc
         except aiohttp.ConnectionTimeoutError as exc:
@@ -109,6 +116,21 @@ class Rules:
             raise Failed(target, "connect_timeout", wait, side) from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise Failed(target, "no_answer", f"{type(exc).__name__} {exc}".strip(), side) from exc
+        finally:
+            if isinstance(data, Upload):
+                data.on_sent = None  # the answer came, or the attempt is over: no clock to start
+
+    def _first_byte(self, data: bytes | Upload) -> contextlib.AbstractAsyncContextManager[object]:
+        """The first-byte timer. A streamed upload can take longer to send than any answer
+        takes to start: its clock starts once its last byte went (the total timeout, kept
+        by the session, still counts the upload)."""
+        fb = self.first_byte_timeout
+        if not fb or not isinstance(data, Upload):
+            return self.first_byte()
+        timer = asyncio.timeout(None)
+        loop = asyncio.get_running_loop()
+        data.on_sent = lambda: timer.reschedule(loop.time() + fb)
+        return timer
 
     def judge(self, target: Target, upstream: aiohttp.ClientResponse, last_chance: bool) -> None:
         """The rules for an answer's status; ``Failed`` when it is to be tried elsewhere."""

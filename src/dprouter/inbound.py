@@ -14,10 +14,10 @@ from multidict import CIMultiDict
 
 from dprouter import dialects
 from dprouter.config import RouterConfig
-from dprouter.form import parse_form
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import BadRequest, Incoming, Kind, parse
 from dprouter.relay import HOP_BY_HOP, error
+from dprouter.upload import Upload, read_upload
 
 NOT_FORWARDED = HOP_BY_HOP | dialects.OVERRIDE_HEADERS
 NOT_FORWARDED_WITH_AUTH = NOT_FORWARDED | {"authorization"}  # a client's key is not the engine's
@@ -32,6 +32,7 @@ class ClientRequest:
     pinned_prefill: int | None  # P/D: the prefill rank a trusted client named
     changed: bool  # a client rank field was removed from the body
     form: bool = False  # multipart/form-data: forwarded as it came, the rank in a header
+    upload: Upload | None = None  # the rest of a form still to stream (``raw`` is its start)
 
 
 def forwarded(request: web.Request, config: RouterConfig) -> CIMultiDict[str]:
@@ -41,23 +42,34 @@ def forwarded(request: web.Request, config: RouterConfig) -> CIMultiDict[str]:
 
 
 async def read_request(
-    request: web.Request, kind: Kind, config: RouterConfig, metrics: RouterMetrics
+    request: web.Request,
+    kind: Kind,
+    config: RouterConfig,
+    metrics: RouterMetrics,
+    several: bool = True,
 ) -> ClientRequest | web.Response:
-    """The request, or the error to answer with (nothing reached an engine)."""
+    """The request, or the error to answer with (nothing reached an engine). A form is
+    read only up to where it can be routed (``several``: more than one model is served)."""
     try:
-        raw = await request.read()
         form = kind == "audio"
-        incoming = parse_form(raw, request.headers) if form else parse(raw, kind, request.headers)
+        upload = None
+        if form:
+            incoming, raw, upload = await read_upload(request, config.max_body, several)
+        else:
+            raw = await request.read()
+            incoming = parse(raw, kind, request.headers)
         headers = forwarded(request, config)
+        if upload is not None and request.content_length is not None:
+            headers["Content-Length"] = str(request.content_length)  # as declared: not chunked
         pinned = prefill = None
         if config.trust_client_rank:
             pinned = dialects.client_rank(headers, incoming.body)
             if config.pd is None:  # a rankless target passes the client's rank to its engine
-                return ClientRequest(raw, incoming, headers, pinned, None, False, form)
+                return ClientRequest(raw, incoming, headers, pinned, None, False, form, upload)
             # P/D: the ranks pick the pair; each leg then carries its own target's rank
             prefill = dialects.client_prefill_rank(incoming.body)
         changed = dialects.strip_client_rank(headers, incoming.body)
-        return ClientRequest(raw, incoming, headers, pinned, prefill, changed, form)
+        return ClientRequest(raw, incoming, headers, pinned, prefill, changed, form, upload)
     except web.HTTPRequestEntityTooLarge:
         metrics.rejected.labels("too_large").inc()
         return error(413, f"request body exceeds {config.max_body} bytes")

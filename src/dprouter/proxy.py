@@ -30,6 +30,7 @@ from dprouter.registry import Registry
 from dprouter.relay import UpstreamBroke, error, relay
 from dprouter.targets import DialectName, Outstanding, Target
 from dprouter.turn import Turn
+from dprouter.upload import Upload, broke, several_models
 
 
 class Proxy:
@@ -59,7 +60,8 @@ class Proxy:
         if kind == "generate":
             dialect = "sglang"  # SGLang's own
         started = asyncio.get_running_loop().time()
-        client = await read_request(request, kind, self.config, self.metrics)
+        several = kind == "audio" and several_models(self.registry.snapshot, dialect)
+        client = await read_request(request, kind, self.config, self.metrics, several)
         if isinstance(client, web.Response):
             return client
         self.rules.output.apply(client.incoming)  # counted by its likely output, not its cap
@@ -107,6 +109,8 @@ class Proxy:
                         request, client, counted, attempts, candidates, started, watch
                     )
             except Failed as failure:
+                if client.upload is not None and client.upload.begun:  # its bytes are gone
+                    return broke(client.upload, failure, attempts, self.metrics)
                 attempts.failed(failure)
         return attempts.give_up()
 
@@ -128,14 +132,16 @@ class Proxy:
         rid, named = ensure_rid(body) if dialect == "sglang" and not client.form else (None, False)
         if client.form:  # a form is not re-encoded: the rank goes in a header, for both
             dialects.write_rank_header(target.rank, sent)
-            data = client.raw
+            data: bytes | Upload = client.raw if client.upload is None else client.upload
         elif dialects.write_rank(dialect, target.rank, sent, body) or client.changed or named:
             data = orjson.dumps(body)
         else:
             data = client.raw  # untouched: forward the client's bytes as they came
         with self.aborter.on_cancel(target.worker, rid):
             upstream = await self.rules.post(target, request.path_qs, data, sent)
-            self.rules.judge(target, upstream, attempts.last_chance(candidates))
+            # an upload the engine began taking cannot go elsewhere: its answer stands
+            spent = client.upload is not None and client.upload.begun
+            self.rules.judge(target, upstream, spent or attempts.last_chance(candidates))
             try:
                 series = self.metrics.series(target)
                 answer = await relay(request, upstream, target, series, started, counted, watch)

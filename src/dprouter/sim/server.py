@@ -75,6 +75,7 @@ class SimServer:
         self.runner: EngineRunner
         self.pd = PdSide(self, config.pd) if config.pd is not None else None
         self.responses = Responses(self)
+        self.audio = Audio(self)  # kept across restarts: what each rank took, in all
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -104,7 +105,7 @@ class SimServer:
             self.registry = vllm_registry(self.engine)
         app.add_routes(endpoints.Endpoints(self).routes())
         app.add_routes(Pooling(self).routes())
-        app.add_routes(Audio(self).routes())
+        app.add_routes(self.audio.routes())
         app.add_routes(self.responses.routes())
         if self.pd is not None:
             app.add_routes(self.pd.routes())
