@@ -129,7 +129,6 @@ class EngineProcess(abc.ABC):
         self._tmp: Path | None = None
         self._started_at = 0.0
         self._shm: set[Path] = set()  # /dev/shm files the group mapped: removed on stop
-        self._shm_before: set[str] = set()  # semaphores that were there before start
 
     # What a subclass fills in.
 
@@ -159,8 +158,7 @@ class EngineProcess(abc.ABC):
 
     def _before_start(self) -> None:
         """Called by start() once the TMPDIR exists, before environment() and command()."""
-        with contextlib.suppress(OSError):
-            self._shm_before = {p.name for p in Path("/dev/shm").glob("sem.mp-*")}
+        return None  # nothing here: a subclass adds its own bookkeeping
 
     def _while_running(self) -> None:
         """Called at each wait_ready() poll and just before kill() or stop() signal the
@@ -210,19 +208,11 @@ class EngineProcess(abc.ABC):
             with contextlib.suppress(OSError):
                 path.unlink()
         self._shm.clear()
-        # multiprocessing's named semaphores (sem.mp-*): SGLang's shutdown SIGKILLs
-        # its resource tracker, so they stay (vLLM's too when it is killed). No
-        # process maps them even while the server runs, so they cannot be told
-        # apart by owner; remove those that appeared since start() and that no
-        # process on the machine has mapped
-        # (a semaphore that is mapped nowhere is not open anywhere).
-        shm = Path("/dev/shm")
-        with contextlib.suppress(OSError):
-            new = {p for p in shm.glob("sem.mp-*") if p.name not in self._shm_before}
-            if new:
-                for path in new - _mapped_shm():
-                    with contextlib.suppress(OSError):
-                        path.unlink()
+        # multiprocessing's named semaphores (sem.mp-*) that SGLang's shutdown leaves
+        # (it SIGKILLs its resource tracker) stay: a few bytes each. They cannot be told
+        # apart by owner -- glibc maps a semaphore under a temporary name, so a live one
+        # looks unmapped -- and sweeping the new unmapped ones deleted other processes'
+        # live semaphores (a --processes router's in a test suite running beside).
 
     # The life of the process.
 
