@@ -3,7 +3,7 @@
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
-const CELL = 26, GAP = 4, LABEL = 150, ROW = CELL + GAP;
+const CELL = 34, GAP = 4, LABEL = 150, ROW = CELL + GAP;
 let shape = "";  // the targets drawn: the heat map is rebuilt only when they change
 
 function el(name, attrs, text) {
@@ -68,13 +68,13 @@ function drawHeat(data) {
     svg.setAttribute("height", data.workers.length * ROW + 24);
     data.workers.forEach((w, row) => {
       const y = 8 + row * ROW;
-      svg.append(el("text", { x: 8, y: y + 17 }, `${w.id} ${w.role === "regular" ? "" : w.role}`));
+      svg.append(el("text", { x: 8, y: y + 22 }, `${w.id} ${w.role === "regular" ? "" : w.role}`));
       (byWorker.get(w.id) || []).forEach((t, i) => {
         const x = LABEL + i * (CELL + GAP);
         const cell = el("rect", { class: "cell", x, y, width: CELL, height: CELL, rx: 3,
           "data-target": t.target });
         cell.append(el("title"));
-        svg.append(cell, el("text", { class: "small", x: x + 3, y: y + CELL - 4 }, String(t.dp_rank ?? "")));
+        svg.append(cell, el("text", { class: "small", x: x + 4, y: y + CELL - 5 }, String(t.dp_rank ?? "")));
       });
       if (!(byWorker.get(w.id) || []).length) {
         svg.append(el("text", { class: "small", x: LABEL, y: y + 17 }, w.state + (w.error ? `: ${w.error}` : "")));
