@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import click
 import pytest
 
-from dprouter.config import RouterConfig
+from dprouter.config import RouterConfig, load_file, validate
 from dprouter.dashboard import POLICY
 from dprouter.dashboard.window import quantile
 from dprouter.demo import demo_cluster
 from dprouter.processes import Supervisor
+from dprouter.serve import serve
 from tests.conftest import StartCluster, StartRouter, workers
+from tests.test_router_pd import deploy, served
 
 BODY: dict[str, Any] = {"model": "demo", "prompt": "look at me", "max_tokens": 4}
 
@@ -159,3 +164,28 @@ def test_quantiles_follow_prometheus_interpolation() -> None:
     assert quantile(0.25, buckets) == pytest.approx(0.055)
     assert quantile(0.99, {0.5: 0.0, float("inf"): 3.0}) == 0.5
     assert quantile(0.5, {0.5: 0.0, float("inf"): 0.0}) is None
+
+
+def test_the_file_turns_it_on_as_the_flag_does(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text('dashboard = true\n[[workers]]\nurl = "http://127.0.0.1:8000"\n')
+    assert validate(RouterConfig(**load_file(path))).dashboard
+    assert "--dashboard" in [o.opts[0] for o in serve.params if isinstance(o, click.Option)]
+
+
+async def test_pd_lanes_and_pairs(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    deployed = await deploy(start_cluster, start_router, "sglang", (1, 2), (1, 2), dashboard=True)
+    url = deployed.router.url
+    pairs = await served(http, url, 8)
+    data = await get_data(http, url)
+    for _ in range(40):
+        if sum(p["requests"] for p in data["pairs"]) == 8:
+            break
+        await asyncio.sleep(0.1)
+        data = await get_data(http, url)
+    assert data["router"]["pd"] == "sglang"
+    assert len(data["lanes"]["prefill"]) == 2 and len(data["lanes"]["decode"]) == 2
+    seen = {(p["prefill"], p["decode"]): p["requests"] for p in data["pairs"]}
+    assert seen == dict(Counter(pairs))
