@@ -55,12 +55,16 @@ async def test_data_shows_every_target_with_its_load_and_rates(
         async with http.post(router.url + "/v1/completions", json=BODY) as r:
             assert r.status == 200
             await r.read()
+    def counted(data: dict[str, Any]) -> int:
+        return round(float(data["router"]["requests_per_second"]) * data["window_seconds"])
+
     data = await get_data(http, router.url)
-    for _ in range(40):  # the window reads the series once a second
-        if data["router"]["requests_per_second"] > 0:
+    for _ in range(50):  # the window reads the series once a second: until a read after all
+        if counted(data) == 40:
             break
         await asyncio.sleep(0.1)
         data = await get_data(http, router.url)
+    assert counted(data) == 40
     targets = data["targets"]
     assert len(targets) == 20
     assert {t["worker"] for t in targets} == {w.id for w in router.registry.workers.values()}
