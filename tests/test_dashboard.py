@@ -55,8 +55,9 @@ async def test_data_shows_every_target_with_its_load_and_rates(
         async with http.post(router.url + "/v1/completions", json=BODY) as r:
             assert r.status == 200
             await r.read()
+
     def counted(data: dict[str, Any]) -> int:
-        return round(float(data["router"]["requests_per_second"]) * data["window_seconds"])
+        return round(float(data["router"]["requests_per_second"]) * float(data["window_seconds"]))
 
     data = await get_data(http, router.url)
     for _ in range(50):  # the window reads the series once a second: until a read after all
