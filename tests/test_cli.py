@@ -175,6 +175,7 @@ async def test_demo_uses_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "ranks used: DP-aware 20/20" in out
     assert "outstanding after the runs: 0" in out
+    assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/dashboard ", out, re.MULTILINE)
     rows = [line.split() for line in out.splitlines() if line.startswith("sim-")]
     assert len(rows) == 20 + 3  # one line per engine, then one per rank
     assert all(int(row[2]) == 3 for row in rows[3:])  # 60 requests over 20 ranks

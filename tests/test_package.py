@@ -12,7 +12,7 @@ import pytest
 import dprouter
 import dprouter.sim
 
-HEAVY = ("dprouter.sim", "dprouter.bench", "matplotlib", "tqdm")
+HEAVY = ("dprouter.sim", "dprouter.bench", "matplotlib", "tqdm", "rich")  # rich: dprouter top
 
 
 def loaded_after(code: str) -> list[str]:
@@ -67,7 +67,14 @@ def test_the_bench_command_loads_its_extra_only_when_it_runs() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [["--help"], ["serve", "--help"], ["bench", "--help"], ["register", "--help"]]
+    "args",
+    [
+        ["--help"],
+        ["serve", "--help"],
+        ["bench", "--help"],
+        ["register", "--help"],
+        ["top", "--help"],
+    ],
 )
 def test_help(args: list[str]) -> None:
     done = subprocess.run(
@@ -77,4 +84,4 @@ def test_help(args: list[str]) -> None:
     assert done.stdout.startswith("Usage: ")
     if args == ["--help"]:
         listed = [line.split()[0] for line in done.stdout.split("Commands:\n")[1].splitlines()]
-        assert listed == ["bench", "demo", "register", "serve", "sim"]
+        assert listed == ["bench", "demo", "register", "serve", "sim", "top"]

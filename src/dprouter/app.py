@@ -24,6 +24,7 @@ from dprouter.drain import Drain
 from dprouter.follower import Channel, Follower, SharedBreakers
 from dprouter.handlers import Handlers
 from dprouter.httplog import quiet_malformed
+from dprouter.lag import LoopLag
 from dprouter.membership import Source, read_within, sources
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
@@ -58,6 +59,7 @@ class Parts:
     sources: list[Source] = field(default_factory=list)  # of workers: etcd (not --processes)
     control: Channel | None = None  # a serving process of --processes N: the parent's link
     turn: Turn | None = None  # ...and its decisions, one at a time with the others'
+    lag: LoopLag = field(default_factory=LoopLag)  # the event loop's, for /metrics
 
 
 PARTS = web.AppKey("dprouter", Parts)
@@ -100,10 +102,17 @@ def build_app(
     if control is not None and isinstance(parts.monitor, Follower):
         parts.breakers = SharedBreakers(parts.monitor)
         parts.breakers.options = breaker_options(config)
+    parts.lag.on_tick = parts.metrics.loop_lag.set
     app = web.Application(client_max_size=config.max_body, middlewares=[_last_resort])
     app[PARTS] = parts
     app.cleanup_ctx.append(_lifecycle)
     app.add_routes(Handlers(parts).routes())
+    if config.dashboard:
+        from dprouter.dashboard import Dashboard  # its files and window only when asked for
+
+        dashboard = Dashboard(parts)
+        app.add_routes(dashboard.routes())
+        app.cleanup_ctx.append(dashboard.lifecycle)
     return app
 
 
@@ -237,9 +246,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             config, parts.registry, parts.policy, parts.metrics, rules, placer, parts.turn
         )
     await parts.monitor.start()
+    parts.lag.start()
     try:
         yield
     finally:
+        await parts.lag.stop()
         if parts.registration is not None:
             await parts.registration.stop()
         for source in parts.sources:

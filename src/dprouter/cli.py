@@ -18,6 +18,7 @@ COMMANDS = {
     "register": "dprouter.register:register",
     "serve": "dprouter.serve:serve",
     "sim": "dprouter.sim.command:sim",
+    "top": "dprouter.top:top_command",
 }
 
 

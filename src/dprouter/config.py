@@ -84,6 +84,7 @@ class RouterConfig:
     load_interval: float | None = None
     startup_timeout: float = 10.0  # serve waits this long for discovery, then checks workers
     admin_token: str | None = None  # None: the admin API is off
+    dashboard: bool = False  # /dashboard and /dashboard/data; behind admin_token when set
     pd: PdMode | None = None  # P/D disaggregation flow, chosen once; None: regular workers
     prefill_policy: str | None = None  # None: --policy (round_robin)
     decode_policy: str | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import orjson
@@ -88,6 +89,7 @@ class ControlPlane:
         self.sources = sources(config, registry, monitor)  # of workers: etcd
         self.listening: set[int] = set()  # rows of the serving processes that listen
         self.joined = asyncio.Event()  # set when one more starts listening
+        self.started = time.time()  # the router's start, for the dashboard's uptime
         self.forwarded = 0  # batches of cache_aware's prefixes passed between processes
         self._followers: dict[int, asyncio.Queue[bytes | None]] = {}  # by row; None: a state
         self._due: set[int] = set()  # rows with a state queued already
@@ -100,6 +102,7 @@ class ControlPlane:
                 web.post("/control/place", self.place),
                 web.post("/control/responses", self.response_noted),
                 web.get("/control/responses/{id}", self.response_found),
+                web.get("/control/dashboard", self.dashboard),
                 *Admin(config, registry, monitor, self.sources).routes(),
             ]
         )
@@ -237,3 +240,8 @@ class ControlPlane:
         if label is None:
             return error(404, "unknown response id")
         return web.json_response({"label": label})
+
+    async def dashboard(self, _: web.Request) -> web.Response:
+        """For the dashboard of any serving process: what only the parent knows."""
+        held = sum(len(m.sticky) for m in self.sessions.values())
+        return web.json_response({"sessions": held, "started": self.started})

@@ -9,6 +9,7 @@ engines do on their own in the second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -58,7 +59,7 @@ async def drive(url: str, requests: int, concurrency: int) -> dict[Key, list[flo
     return ttft
 
 
-async def run_demo(requests: int, concurrency: int) -> None:
+async def run_demo(requests: int, concurrency: int, linger: float = 0.0) -> None:
     async with SimCluster(demo_cluster(), prefix="sim") as cluster:
         for s in cluster.servers:
             c = s.config
@@ -67,12 +68,37 @@ async def run_demo(requests: int, concurrency: int) -> None:
         workers = tuple(WorkerSpec(u) for u in cluster.urls)
         runs: dict[str, dict[Key, list[float]]] = {}
         outstanding = 0
-        for mode in ("auto", "off"):
-            config = RouterConfig(workers=workers, port=0, dp_aware=mode)
-            async with Router(config) as router:
-                await router.settled(10)
-                runs[mode] = await drive(router.url, requests, concurrency)
-                outstanding += sum(t.outstanding for t in router.registry.targets())
+        # the DP-aware router stays up through both runs, its dashboard with it: in the
+        # second run its heat map shows the engine-reported queues of the engines' own picks
+        config = RouterConfig(workers=workers, port=0, dashboard=True)
+        async with Router(config) as router:
+            await router.settled(10)
+            click.echo(
+                f"dashboard: {router.url}/dashboard (live while the demo runs; "
+                f"or: dprouter top {router.url})"
+            )
+            runs["auto"] = await drive(router.url, requests, concurrency)
+            outstanding += sum(t.outstanding for t in router.registry.targets())
+            off = RouterConfig(workers=workers, port=0, dp_aware="off")
+            async with Router(off) as second:
+                await second.settled(10)
+                runs["off"] = await drive(second.url, requests, concurrency)
+                outstanding += sum(t.outstanding for t in second.registry.targets())
+            table(cluster, runs, requests, concurrency, outstanding)
+            if linger > 0:
+                click.echo(f"\ndashboard up for {linger:g} s more: {router.url}/dashboard")
+                await asyncio.sleep(linger)
+            else:
+                click.echo("\n(dprouter demo --linger 120 keeps the dashboard up after the runs)")
+
+
+def table(
+    cluster: SimCluster,
+    runs: dict[str, dict[Key, list[float]]],
+    requests: int,
+    concurrency: int,
+    outstanding: int,
+) -> None:
     aware, off = runs["auto"], runs["off"]
     click.echo(
         f"\n{requests} streamed requests, {concurrency} at a time, round_robin; "
@@ -104,6 +130,14 @@ def _ms(values: list[float]) -> str:
 @click.command()
 @click.option("--requests", type=click.IntRange(1, 5000), default=240, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1, 512), default=24, show_default=True)
-def demo(requests: int, concurrency: int) -> None:
+@click.option(
+    "--linger",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds to keep the cluster and the dashboard up after the runs (Ctrl-C ends).",
+)
+def demo(requests: int, concurrency: int, linger: float) -> None:
     """Simulated cluster on loopback with the router in front: every rank used."""
-    asyncio.run(run_demo(requests, concurrency))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run_demo(requests, concurrency, linger))

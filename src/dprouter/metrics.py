@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -139,6 +139,19 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=p,
         )
+        self.pairs = Counter(
+            "dprouter_pd_pairs",
+            "P/D requests answered, by the prefill and the decode target that served them.",
+            ["prefill_worker", "prefill_rank", "decode_worker", "decode_rank"],
+            registry=p,
+        )
+        # livemax: under --processes, the most lagging live process (a dead one's file goes)
+        self.loop_lag = Gauge(
+            "dprouter_event_loop_lag_seconds",
+            "How late a 100 ms timer fired on the event loop: the worst of the last 10 s.",
+            registry=p,
+            multiprocess_mode="livemax",
+        )
         if shared_dir is None:
             p.register(self.live)
         self._series: dict[int, TargetSeries] = {}
@@ -149,10 +162,19 @@ class RouterMetrics:
             found = self._series[id(target)] = TargetSeries(self, target)
         return found
 
-    def exposition(self) -> bytes:
+    def paired(self, prefill: Target, decode: Target) -> None:
+        self.pairs.labels(
+            prefill.worker.id, prefill.rank_label, decode.worker.id, decode.rank_label
+        ).inc()
+
+    def whole(self) -> CollectorRegistry:
+        """The whole router's series: under --processes, every process's summed."""
         if self.shared_dir is None:
-            return generate_latest(self.prom)
+            return self.prom
         whole = CollectorRegistry(auto_describe=False)
         MultiProcessCollector(whole, self.shared_dir)  # type: ignore[no-untyped-call]
         whole.register(self.live)
-        return generate_latest(whole)
+        return whole
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.whole())

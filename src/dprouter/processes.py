@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
 
+from prometheus_client.multiprocess import mark_process_dead
+
 from dprouter.board import Board, size_of
 from dprouter.breaker import Breakers
 from dprouter.config import RouterConfig, validate
@@ -148,6 +150,8 @@ class Supervisor:
         if hand_back(self.turn, self.board, row):
             log.warning("serving process %d died holding the turn: handed back", row)
         self.board.release(row)  # its requests are in flight no more
+        if child.pid is not None:  # its livemax gauges (loop lag) count no more
+            mark_process_dead(child.pid, os.path.join(self._dir, "metrics"))  # type: ignore[no-untyped-call]
         if self.stopping:
             if not any(c.is_alive() for c in self.children.values()):
                 self._gone.set()

@@ -361,6 +361,12 @@ def make_config(
     help="Enables /workers; also read from DPROUTER_ADMIN_TOKEN.",
 )
 @click.option(
+    "--dashboard",
+    is_flag=True,
+    help="Serve the live view at /dashboard and its JSON at /dashboard/data (behind "
+    "--admin-token when set).",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",

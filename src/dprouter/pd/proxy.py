@@ -121,6 +121,7 @@ class PairProxy:
             finally:
                 call.release()
             attempts.answered(answer, prefill, decode)
+            self.metrics.paired(prefill, decode)
             if call.decoding is not None:
                 learn(self.rules.output, answer, call.decoding, incoming.model)
             return answer
