@@ -32,16 +32,23 @@ from dprouter.relay import error
 from dprouter.targets import Worker
 
 
-def describe(worker: Worker) -> dict[str, Any]:
+def worker_fields(worker: Worker) -> dict[str, Any]:
+    """What every view of a worker says (``GET /workers``, the dashboard's data)."""
     return {
         "id": worker.id,
         "url": worker.url,
         "role": worker.role,
-        "dialect": worker.dialect,
         "state": worker.state,
         "error": worker.error,
         "dp_size": worker.ranks or worker.dp_size,
         "dp_attention": worker.dp_attention,
+    }
+
+
+def describe(worker: Worker) -> dict[str, Any]:
+    return {
+        **worker_fields(worker),
+        "dialect": worker.dialect,
         "rank_offset": worker.rank_offset,
         "models": list(worker.models),
         "outstanding": worker.outstanding,

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dprouter.admin import worker_fields
 from dprouter.dashboard.window import Rates, Window
 from dprouter.registry import Registry
-from dprouter.targets import Target, Worker
+from dprouter.targets import Target
 
 
 @dataclass(frozen=True)
@@ -44,18 +45,6 @@ def target_row(target: Target, rates: Rates | None) -> dict[str, Any]:
         "ttfb_p50_seconds": rates.ttfb_p50 if rates else None,
         "ttfb_p99_seconds": rates.ttfb_p99 if rates else None,
         "errors": rates.errors if rates else {},
-    }
-
-
-def worker_row(worker: Worker) -> dict[str, Any]:
-    return {
-        "id": worker.id,
-        "url": worker.url,
-        "role": worker.role,
-        "state": worker.state,
-        "error": worker.error,
-        "dp_size": worker.ranks or worker.dp_size,
-        "dp_attention": worker.dp_attention,
     }
 
 
@@ -101,7 +90,7 @@ def build(registry: Registry, window: Window, info: RouterInfo) -> dict[str, Any
             },
             "sessions": info.sessions,
         },
-        "workers": [worker_row(w) for w in workers],
+        "workers": [worker_fields(w) for w in workers],
         "targets": targets,
         "lanes": lanes,
         "pairs": pairs,
