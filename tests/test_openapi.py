@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from dprouter.config import RouterConfig
 from dprouter.sim.config import EngineConfig
@@ -73,11 +74,16 @@ def _shape(path: str) -> str:
     return re.sub(r"\{[^}]*\}", "{}", path)
 
 
+@pytest.mark.parametrize("dashboard", [False, True])
 async def test_the_description_lists_every_route_the_router_serves(
-    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+    dashboard: bool,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
 ) -> None:
     (engine,) = (await start_cluster([EngineConfig()])).servers
-    router = await start_router(RouterConfig(workers=workers(engine.url), admin_token="t"))
+    config = RouterConfig(workers=workers(engine.url), admin_token="t", dashboard=dashboard)
+    router = await start_router(config)
     served = {
         (route.method, _shape(route.resource.canonical))
         for route in router.app.router.routes()
@@ -88,3 +94,4 @@ async def test_the_description_lists_every_route_the_router_serves(
     documented = {(m.upper(), _shape(p)) for p, ops in paths.items() for m in ops}
     assert served - {("GET", "/openapi.json")} == documented
     assert {("POST", "/generate"), ("POST", "/workers"), ("POST", "/v1/embeddings")} <= served
+    assert (("GET", "/dashboard/data") in served) is dashboard

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class Handlers:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
-        self.description = describe()
+        self.description = describe(dashboard=parts.config.dashboard)
 
     def routes(self) -> list[web.RouteDef]:
         p = self.parts

@@ -140,7 +140,24 @@ def _surface() -> dict[str, Any]:
     return paths
 
 
-def describe() -> dict[str, Any]:
+def _dashboard() -> dict[str, Any]:
+    """The live view's routes: served only under ``--dashboard``, behind the admin token."""
+    html = {"text/html": {"schema": {"type": "string"}}}
+    answers = {"200": {"description": "the page", "content": html}, "401": _error("HTTP 401")}
+    page = {"get": {"summary": "The live view's page", "responses": answers}}
+    files = _operation("The page's script, style and icon", False, 200, 401, 404)
+    files["parameters"] = [
+        {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    data = _operation("The live view's data (docs/router.md, Dashboard)", False, 200, 401)
+    return {
+        "/dashboard": page,
+        "/dashboard/data": {"get": data},
+        "/dashboard/{name}": {"get": files},
+    }
+
+
+def describe(dashboard: bool = False) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "dprouter", "version": version("dprouter")},
@@ -170,5 +187,6 @@ def describe() -> dict[str, Any]:
             "/workers/{id}": {
                 "delete": _operation("Admin: remove a worker", False, *ADMIN, param=True)
             },
+            **(_dashboard() if dashboard else {}),
         },
     }
