@@ -32,6 +32,20 @@ from dprouter.relay import error
 from dprouter.targets import Worker
 
 
+def bearer(token: str, given: str) -> bool:
+    """``given``, an Authorization header, carries the admin token (in constant time)."""
+    return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
+def denied(token: str | None, request: web.Request) -> web.Response | None:
+    """The answer to an admin call without the admin token; None: it may go on."""
+    if token is None:
+        return error(403, "the admin API is off: start the router with an admin token")
+    if not bearer(token, request.headers.get("Authorization", "")):
+        return error(401, "admin calls need Authorization: Bearer <admin token>")
+    return None
+
+
 def worker_fields(worker: Worker) -> dict[str, Any]:
     """What every view of a worker says (``GET /workers``, the dashboard's data)."""
     return {
@@ -94,12 +108,7 @@ class Admin:
         ]
 
     def denied(self, request: web.Request) -> web.Response | None:
-        if self.token is None:
-            return error(403, "the admin API is off: start the router with an admin token")
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-            return error(401, "admin calls need Authorization: Bearer <admin token>")
-        return None
+        return denied(self.token, request)
 
     async def add(self, request: web.Request) -> web.Response:
         if (refused := self.denied(request)) is not None:

@@ -13,7 +13,6 @@ Routings:
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from functools import partial
 from importlib.metadata import version
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from aiohttp import web
 
+from dprouter.admin import denied
 from dprouter.guard import guarded
 from dprouter.kept import Kept
 from dprouter.parse import Kind
@@ -177,10 +177,4 @@ class Surface:
         return web.json_response({"version": version("dprouter"), "workers": rows})
 
     def denied(self, request: web.Request) -> web.Response | None:
-        token = self.parts.config.admin_token
-        if token is None:
-            return error(403, "the admin API is off: start the router with an admin token")
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            return error(401, "admin calls need Authorization: Bearer <admin token>")
-        return None
+        return denied(self.parts.config.admin_token, request)

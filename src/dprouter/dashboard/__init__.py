@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from dprouter.admin import bearer
 from dprouter.dashboard.data import RouterInfo, build
 from dprouter.dashboard.window import Window, read
 from dprouter.follower import BASE
@@ -45,7 +46,7 @@ FILES = {
 def authorised(token: str | None, header: str) -> bool:
     if token is None:
         return True
-    if hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
+    if bearer(token, header):
         return True
     scheme, _, encoded = header.partition(" ")
     if scheme.lower() != "basic":
