@@ -155,6 +155,7 @@ class RouterMetrics:
         if shared_dir is None:
             p.register(self.live)
         self._series: dict[int, TargetSeries] = {}
+        self._pairs: dict[tuple[int, int], tuple[Target, Target, Any]] = {}
 
     def series(self, target: Target) -> TargetSeries:
         found = self._series.get(id(target))
@@ -163,9 +164,17 @@ class RouterMetrics:
         return found
 
     def paired(self, prefill: Target, decode: Target) -> None:
-        self.pairs.labels(
-            prefill.worker.id, prefill.rank_label, decode.worker.id, decode.rank_label
-        ).inc()
+        """One P/D answer more for the pair; its child is looked up once, as ``series``'
+        are (the entry holds both targets, so their ids are not reused meanwhile)."""
+        found = self._pairs.get((id(prefill), id(decode)))
+        if found is None:
+            labels = (prefill.worker.id, prefill.rank_label, decode.worker.id, decode.rank_label)
+            found = self._pairs[(id(prefill), id(decode))] = (
+                prefill,
+                decode,
+                self.pairs.labels(*labels),
+            )
+        found[2].inc()
 
     def whole(self) -> CollectorRegistry:
         """The whole router's series: under --processes, every process's summed."""
