@@ -96,8 +96,9 @@ class Engine:
         self.config = config
         self.engine_id = engine_id
         slow = config.faults.slow_ranks
+        record = config.kv_events.enabled
         self.ranks = [
-            Rank(i, config.limits, config.cost, slow.get(i, 1.0), track_tokens)
+            Rank(i, config.limits, config.cost, slow.get(i, 1.0), track_tokens, record)
             for i in range(config.dp_size)
         ]
         if config.dp_attention:
@@ -132,6 +133,11 @@ class Engine:
 
     def end(self, plan: StepPlan, now: float) -> StepEvents:
         return plan.stepper.end(plan, now)
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's ``/reset_prefix_cache``, SGLang's ``/flush_cache``: every rank forgets."""
+        for rank in self.ranks:
+            rank.cache.clear()
 
     def abort(self, req: SimRequest, now: float) -> None:
         if req.rank is not None and not req.done:
