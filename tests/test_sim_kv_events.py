@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,10 +16,13 @@ import zmq
 import zmq.asyncio
 
 from dprouter.sim.cluster import SimCluster
+from dprouter.sim.command import build, sim
 from dprouter.sim.config import EngineConfig, RankLimits
 from dprouter.sim.kvevents import KvEventsConfig
 from dprouter.sim.server import SimServer
 from dprouter.sim.tokens import tokenize
+from dprouter.sim.vocab import write_tokenizer
+from dprouter.tokenizer import ModelTokenizer
 from tests.conftest import StartCluster
 
 U64 = (1 << 64) - 1
@@ -281,3 +286,62 @@ def test_config_fails_loudly() -> None:
         KvEventsConfig.from_json('{"encoding": "json"}')
     config = KvEventsConfig.from_json('{"enable_kv_cache_events": true, "topic": "kv"}')
     assert config.enabled and config.wire()["publisher"] == "zmq"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+async def test_a_tokenizer_gives_the_events_the_ids_a_router_computes(
+    start_cluster: StartCluster,
+    http: aiohttp.ClientSession,
+    zctx: zmq.asyncio.Context,
+    tokenizer_dir: Path,
+) -> None:
+    config = replace(engine("vllm", dp=1), tokenizer=str(tokenizer_dir))
+    cluster = await start_cluster([config])
+    server = cluster[0]
+    tok = ModelTokenizer(tokenizer_dir)
+    text = "The router sends each request to the rank that holds its prefix. " * 6
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": "hello"}]
+    async with http.post(server.url + "/v1/completions", json={"prompt": text}) as r:
+        assert (await r.json())["usage"]["prompt_tokens"] == len(tok.encode(text))
+    body = {"messages": messages, "max_tokens": 2}
+    async with http.post(server.url + "/v1/chat/completions", json=body) as r:
+        assert (await r.json())["usage"]["prompt_tokens"] == len(tok.encode_chat(messages))
+    async with http.post(server.url + "/tokenize", json={"prompt": text}) as r:
+        assert (await r.json())["tokens"] == tok.encode(text)
+    async with http.post(server.url + "/tokenize", json={"messages": messages}) as r:
+        assert (await r.json())["tokens"] == tok.encode_chat(messages)
+    async with http.post(server.url + "/detokenize", json={"tokens": tok.encode(text)}) as r:
+        assert (await r.json())["prompt"] == tok.decode(tok.encode(text))
+    ((_, replay_at),) = await endpoints(http, server)
+    stored = [
+        event_fields(e, "vllm")
+        for f in (await replay(zctx, replay_at, 0))[:-1]
+        for e in msgpack.unpackb(f[2])[1]
+        if event_tag(e) == "BlockStored"
+    ]
+    for ids, event in zip((tok.encode(text), tok.encode_chat(messages)), stored, strict=True):
+        full = len(ids) // BLOCK * BLOCK
+        if event["parent_block_hash"] is None:
+            assert event["token_ids"] == ids[:full]
+        else:  # the chat shares its first blocks with nothing, so this is not reached
+            raise AssertionError(event)
+
+
+def test_sim_command_takes_the_engines_kv_events_config(tokenizer_dir: Path) -> None:
+    args = [
+        "--engines", "2", "--dp-size", "4", "--tokenizer", str(tokenizer_dir),
+        "--kv-events-config",
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000", '
+        '"replay_endpoint": "tcp://*:7000", "encoding": "array"}',
+    ]  # fmt: skip
+    with sim.make_context("sim", args) as ctx:
+        options = {k: v for k, v in ctx.params.items() if k not in ("host", "port")}
+    first, second = build(options)
+    assert first.tokenizer == second.tokenizer == str(tokenizer_dir)
+    assert (first.kv_events.endpoint, second.kv_events.endpoint) == ("tcp://*:6000", "tcp://*:6004")
+    assert second.kv_events.replay_endpoint == "tcp://*:7004"
+    assert second.kv_events.encoding == "array" and second.kv_events.enabled

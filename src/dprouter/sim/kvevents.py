@@ -19,7 +19,7 @@ into the msgpack payload the real engine would publish:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import msgpack
@@ -72,6 +72,20 @@ class KvEventsConfig:
         if unknown:
             raise ValueError(f"--kv-events-config: unknown keys {', '.join(unknown)}")
         return cls(**raw)
+
+    def shifted(self, ports: int) -> KvEventsConfig:
+        """The same config ``ports`` further on (engine i of a fleet on one host); a port
+        of 0 stays 0: each engine then finds free ports of its own."""
+
+        def move(endpoint: str | None) -> str | None:
+            if endpoint is None:
+                return None
+            head, _, port = endpoint.rpartition(":")
+            return endpoint if int(port) == 0 else f"{head}:{int(port) + ports}"
+
+        endpoint = move(self.endpoint)
+        assert endpoint is not None
+        return replace(self, endpoint=endpoint, replay_endpoint=move(self.replay_endpoint))
 
     def wire(self) -> dict[str, Any]:
         """The keys as vLLM's ``KVEventsConfig`` has them (``encoding`` is ours)."""

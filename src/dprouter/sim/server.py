@@ -17,6 +17,7 @@ from dprouter.net import bind, url_of
 from dprouter.sim import endpoints
 from dprouter.sim.audio import Audio
 from dprouter.sim.config import EngineConfig
+from dprouter.sim.encoder import encoder_for
 from dprouter.sim.endpoints import Handler
 from dprouter.sim.engine import Engine
 from dprouter.sim.kvpublish import KvPublishers
@@ -77,6 +78,7 @@ class SimServer:
         self.pd = PdSide(self, config.pd) if config.pd is not None else None
         self.responses = Responses(self)
         self.audio = Audio(self)  # kept across restarts: what each rank took, in all
+        self.encoder = encoder_for(config.tokenizer)  # read once, here: never on a request
         kv = config.kv_events
         # kept across restarts: the ports stay, the sequences start again from 0
         self.kv = KvPublishers(kv, config.persona, config.dp_size, host) if kv.enabled else None
