@@ -153,7 +153,9 @@ async def test_events_rebuild_each_ranks_cache(
     server = cluster[0]
     ends = await endpoints(http, server)
     assert server.kv is not None and len(ends) == 2
-    assert [e for e, _ in ends] == server.kv.endpoints  # base + rank
+    assert [e for e, _ in ends] == server.kv.endpoints
+    ports = [int(e.rpartition(":")[2]) for pair in ends for e in pair]
+    assert ports[2] == ports[0] + 1 and ports[3] == ports[1] + 1  # base + rank, both sockets
     subs = []
     for pub, _ in ends:
         sub = zctx.socket(zmq.SUB)

@@ -91,14 +91,17 @@ class Stepper:
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, engine_id: str = "engine-0", track_tokens: bool = True
+        self,
+        config: EngineConfig,
+        engine_id: str = "engine-0",
+        track_tokens: bool = True,
+        record_events: bool = False,  # the ranks' caches keep a journal someone takes
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         slow = config.faults.slow_ranks
-        record = config.kv_events.enabled
         self.ranks = [
-            Rank(i, config.limits, config.cost, slow.get(i, 1.0), track_tokens, record)
+            Rank(i, config.limits, config.cost, slow.get(i, 1.0), track_tokens, record_events)
             for i in range(config.dp_size)
         ]
         if config.dp_attention:

@@ -124,7 +124,7 @@ class SimServer:
 
     async def start(self) -> None:
         quiet_malformed()  # peers probe with HTTP/2 prior knowledge: one line, not a trace
-        self.engine = Engine(self.config, self.engine_id)
+        self.engine = Engine(self.config, self.engine_id, record_events=self.kv is not None)
         self.responses = Responses(self)  # a restarted engine has forgotten them all
         if self.kv is not None:
             await self.kv.start()
