@@ -37,6 +37,7 @@ def test_simulator_names() -> None:
         "CostModel",
         "EngineConfig",
         "Faults",
+        "KvEventsConfig",
         "OfflineSim",
         "RankLimits",
         "SimCluster",

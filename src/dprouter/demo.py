@@ -13,6 +13,8 @@ import contextlib
 import statistics
 import time
 from collections import Counter, defaultdict
+from dataclasses import replace
+from pathlib import Path
 
 import aiohttp
 import click
@@ -21,6 +23,8 @@ from dprouter.app import Router
 from dprouter.config import RouterConfig, WorkerSpec
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig, RankLimits
+from dprouter.sim.kvevents import KvEventsConfig
+from dprouter.sim.vocab import ensure_tokenizer
 
 Key = tuple[str, int]  # (engine id, rank) as the engine reports it
 
@@ -28,13 +32,21 @@ Key = tuple[str, int]  # (engine id, rank) as the engine reports it
 MAX_RUNNING = 4  # small batches per rank, so a crowded rank queues visibly
 
 
-def demo_cluster() -> list[EngineConfig]:
+def demo_cluster(tokenizer: str | None = None, kv_events: bool = False) -> list[EngineConfig]:
+    """``tokenizer``: a directory of tokenizer files; ``kv_events``: every rank publishes
+    its KV-cache events on free loopback ports (printed at the start)."""
     limits = RankLimits(max_running=MAX_RUNNING)
+    kv = KvEventsConfig(
+        enable_kv_cache_events=kv_events,
+        endpoint="tcp://*:0",
+        replay_endpoint="tcp://*:0",
+        topic="kv",
+    )
     vllm = EngineConfig(persona="vllm", dp_size=8, model="demo", limits=limits)
     sglang = EngineConfig(
         persona="sglang", dp_size=4, dp_attention=True, model="demo", limits=limits
     )
-    return [vllm, vllm, sglang]
+    return [replace(c, tokenizer=tokenizer, kv_events=kv) for c in (vllm, vllm, sglang)]
 
 
 async def drive(url: str, requests: int, concurrency: int) -> dict[Key, list[float]]:
@@ -59,12 +71,20 @@ async def drive(url: str, requests: int, concurrency: int) -> dict[Key, list[flo
     return ttft
 
 
-async def run_demo(requests: int, concurrency: int, linger: float = 0.0) -> None:
-    async with SimCluster(demo_cluster(), prefix="sim") as cluster:
+async def run_demo(
+    requests: int,
+    concurrency: int,
+    linger: float = 0.0,
+    tokenizer: str | None = None,
+    kv_events: bool = False,
+) -> None:
+    async with SimCluster(demo_cluster(tokenizer, kv_events), prefix="sim") as cluster:
         for s in cluster.servers:
             c = s.config
             extra = " with DP attention" if c.dp_attention else ""
             click.echo(f"{s.engine_id}: {c.persona} engine, dp_size={c.dp_size}{extra}, {s.url}")
+            if s.kv is not None:
+                click.echo(f"  kv events, rank r at {s.kv.endpoints[0]} + r")
         workers = tuple(WorkerSpec(u) for u in cluster.urls)
         runs: dict[str, dict[Key, list[float]]] = {}
         outstanding = 0
@@ -137,7 +157,19 @@ def _ms(values: list[float]) -> str:
     show_default=True,
     help="Seconds to keep the cluster and the dashboard up after the runs (Ctrl-C ends).",
 )
-def demo(requests: int, concurrency: int, linger: float) -> None:
+@click.option(
+    "--tokenizer",
+    default=None,
+    metavar="DIR",
+    help="The engines tokenise with DIR/tokenizer.json (the simulator's own files are "
+    "written there when DIR has none).",
+)
+@click.option("--kv-events", is_flag=True, help="Every rank publishes its KV-cache events.")
+def demo(
+    requests: int, concurrency: int, linger: float, tokenizer: str | None, kv_events: bool
+) -> None:
     """Simulated cluster on loopback with the router in front: every rank used."""
+    if tokenizer is not None and ensure_tokenizer(Path(tokenizer)):
+        click.echo(f"wrote the simulator's tokenizer files to {tokenizer}")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run_demo(requests, concurrency, linger))
+        asyncio.run(run_demo(requests, concurrency, linger, tokenizer, kv_events))

@@ -2,6 +2,7 @@
 
 from dprouter.sim.cluster import SimCluster, fleet
 from dprouter.sim.config import CostModel, EngineConfig, Faults, RankLimits
+from dprouter.sim.kvevents import KvEventsConfig
 from dprouter.sim.offline import Arrival, Cluster, OfflineSim
 from dprouter.sim.report import SimReport
 from dprouter.sim.server import SimServer
@@ -12,6 +13,7 @@ __all__ = [
     "CostModel",
     "EngineConfig",
     "Faults",
+    "KvEventsConfig",
     "OfflineSim",
     "RankLimits",
     "SimCluster",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import click
@@ -19,6 +20,8 @@ from dprouter.sim.config import (
     PdConfig,
     RankLimits,
 )
+from dprouter.sim.kvevents import KvEventsConfig
+from dprouter.sim.vocab import ensure_tokenizer
 
 
 def slow_rank(text: str) -> tuple[int, float]:
@@ -50,6 +53,12 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
             kv_wait=o["kv_wait"],
         )
     persona = pd.persona if pd is not None else o["persona"]
+    kv = KvEventsConfig()
+    if o["kv_events_config"]:
+        kv = KvEventsConfig.from_json(o["kv_events_config"])
+    tokenizer = o["tokenizer"]
+    if tokenizer is not None and ensure_tokenizer(Path(tokenizer)):
+        click.echo(f"wrote the simulator's tokenizer files to {tokenizer}", err=True)
     config = EngineConfig(
         persona=persona,
         dp_size=o["dp_size"],
@@ -66,13 +75,16 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
         ),
         faults=Faults(slow_ranks=slow, fail_rate=o["fail_rate"]),
         pd=pd,
+        kv_events=kv,
+        tokenizer=tokenizer,
     )
     configs = []
     for i in range(o["engines"]):
+        # engine i's ranks publish after engine i-1's, as on a host of several engines
+        one = replace(config, kv_events=kv.shifted(i * config.dp_size))
         if pd is not None and pd.bootstrap_port:
-            configs.append(replace(config, pd=replace(pd, bootstrap_port=pd.bootstrap_port + i)))
-        else:
-            configs.append(config)
+            one = replace(one, pd=replace(pd, bootstrap_port=pd.bootstrap_port + i))
+        configs.append(one)
     return configs
 
 
@@ -155,6 +167,22 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
     show_default=True,
     help="Decode: seconds to wait for the prefill's KV.",
 )
+@click.option(
+    "--kv-events-config",
+    default=None,
+    metavar="JSON",
+    help="Publish each rank's KV-cache events, as the engines' --kv-events-config: "
+    '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+    '"tcp://*:5600", "topic": "kv"}\' (port 0: free ports; "encoding": "array" for the '
+    "older tagged-array events).",
+)
+@click.option(
+    "--tokenizer",
+    default=None,
+    metavar="DIR",
+    help="Tokenise with DIR/tokenizer.json and its chat template, as the engine would "
+    "(the simulator's own files are written there when DIR has none).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option(
     "--port",
@@ -190,6 +218,12 @@ async def serve_cluster(configs: list[EngineConfig], host: str, port: int) -> No
         if server.pd is not None and server.pd.bootstrap_port:
             extra = f" bootstrap_port={server.pd.bootstrap_port}"
         click.echo(f"{server.engine_id} {c.persona} {shape} {server.url}{extra}")
+        if server.kv is not None:
+            for rank, endpoint in enumerate(server.kv.endpoints):
+                replay = server.kv.replay_endpoints[rank]
+                click.echo(
+                    f"  rank {rank} kv events {endpoint}" + (f" replay {replay}" if replay else "")
+                )
     click.echo("ready", err=True)
     try:
         await stop.wait()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dprouter.sim.kvevents import KvEventsConfig
+
 Persona = Literal["vllm", "sglang"]
 Dispatch = Literal[
     "vllm",
@@ -150,6 +152,8 @@ class EngineConfig:
     limits: RankLimits = field(default_factory=RankLimits)
     faults: Faults = field(default_factory=Faults)
     pd: PdConfig | None = None  # None: a regular engine
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)  # off by default
+    tokenizer: str | None = None  # a tokenizer.json directory; None: the built-in CRC rule
 
     def __post_init__(self) -> None:
         if self.pd is not None and self.pd.persona != self.persona:

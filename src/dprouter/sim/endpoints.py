@@ -47,6 +47,7 @@ class Endpoints:
                 web.get("/ping", self.ping),
                 web.get("/version", self.version),
                 web.post("/reset_prefix_cache", self.reset_cache),
+                web.get("/kv_event_sources", self.kv_event_sources),
                 # engine control: served here so tests can show the router never passes it on
                 web.post("/sleep", self.reset_cache),
                 web.post("/wake_up", self.reset_cache),
@@ -128,9 +129,16 @@ class Endpoints:
 
     async def reset_cache(self, request: web.Request) -> web.Response:
         """Cache resets and engine control: counted (in ``hits``), answered 200."""
+        if request.path in ("/reset_prefix_cache", "/flush_cache"):
+            self.server.reset_prefix_cache()
         if self.server.persona.name == "sglang" and request.path == "/flush_cache":
             return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
         return web.Response(status=200)
+
+    async def kv_event_sources(self, _: web.Request) -> web.Response:
+        """vLLM: each rank's KV-event publisher config, ``{}`` with events off."""
+        kv = self.server.kv
+        return web.json_response(kv.sources() if kv is not None else {})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:

@@ -91,13 +91,17 @@ class Stepper:
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, engine_id: str = "engine-0", track_tokens: bool = True
+        self,
+        config: EngineConfig,
+        engine_id: str = "engine-0",
+        track_tokens: bool = True,
+        record_events: bool = False,  # the ranks' caches keep a journal someone takes
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         slow = config.faults.slow_ranks
         self.ranks = [
-            Rank(i, config.limits, config.cost, slow.get(i, 1.0), track_tokens)
+            Rank(i, config.limits, config.cost, slow.get(i, 1.0), track_tokens, record_events)
             for i in range(config.dp_size)
         ]
         if config.dp_attention:
@@ -132,6 +136,11 @@ class Engine:
 
     def end(self, plan: StepPlan, now: float) -> StepEvents:
         return plan.stepper.end(plan, now)
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's ``/reset_prefix_cache``, SGLang's ``/flush_cache``: every rank forgets."""
+        for rank in self.ranks:
+            rank.cache.clear()
 
     def abort(self, req: SimRequest, now: float) -> None:
         if req.rank is not None and not req.done:

@@ -16,7 +16,7 @@ from dprouter.sim.protocol import Kind, Parsed, parse
 from dprouter.sim.request import SimRequest
 from dprouter.sim.responses import DONE, Render, generate_meta, sse, usage
 from dprouter.sim.runner import ABORTED
-from dprouter.sim.tokens import output_token, prompt_digest, tokenize
+from dprouter.sim.tokens import output_token, prompt_digest
 
 if TYPE_CHECKING:
     from dprouter.sim.server import SimServer
@@ -81,7 +81,7 @@ class Generation:
         except orjson.JSONDecodeError as exc:
             return self.fail(400, f"Invalid JSON body: {exc}")
         try:
-            parsed = parse(self.kind, body)
+            parsed = parse(self.kind, body, self.server.encoder)
         except ValueError as exc:
             return self.fail(400, str(exc))
         message = server.persona.model_error(parsed.model, server.config.model)
@@ -195,7 +195,11 @@ class Generation:
                 True,
                 self.server.runner.now() - req.arrival,
             )
-            body: dict[str, Any] = {"text": text, "output_ids": tokenize(text), "meta_info": meta}
+            body: dict[str, Any] = {
+                "text": text,
+                "output_ids": self.server.encoder.encode(text, special=False),
+                "meta_info": meta,
+            }
         else:
             use = usage(req.prompt_len, req.generated, req.cached_tokens)
             body = Render(self.kind, req.rid, self.server.config.model, False).full(text, use)

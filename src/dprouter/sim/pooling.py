@@ -98,9 +98,8 @@ class Pooling:
             "model": body.get("model") or self.server.config.model,
         }
 
-    @staticmethod
-    def _usage(inputs: list[str]) -> dict[str, Any]:
-        n = sum(len(tokenize(t)) for t in inputs)
+    def _usage(self, inputs: list[str]) -> dict[str, Any]:
+        n = sum(len(self.server.encoder.encode(t)) for t in inputs)
         return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
 
     async def embeddings(self, request: web.Request) -> web.Response:
@@ -140,7 +139,10 @@ class Pooling:
             out = [
                 {
                     "embedding": vector(t),
-                    "meta_info": {"id": uuid.uuid4().hex, "prompt_tokens": len(tokenize(t))},
+                    "meta_info": {
+                        "id": uuid.uuid4().hex,
+                        "prompt_tokens": len(self.server.encoder.encode(t)),
+                    },
                 }
                 for t in inputs
             ]
@@ -188,15 +190,25 @@ class Pooling:
         except Refused as refused:
             return refused.response
         prompt = body.get("prompt")
-        if isinstance(body.get("messages"), list):
-            prompt = "\n".join(str(m.get("content", "")) for m in body["messages"])
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            prompt = "\n".join(str(m.get("content", "")) for m in messages)
         if not isinstance(prompt, str):
             return fail(server, 400, "prompt must be a string").response
         server.record(request, body, None)
         server.served[(request.path, None)] += 1
-        ids = tokenize(prompt)
-        for piece in PIECE.findall(prompt):  # remembered, so /detokenize can answer
-            self.words[tokenize(piece)[0]] = piece
+        encoder = server.encoder
+        if encoder.real:  # tokenizer files: the ids the engine computes
+            turns = [
+                (str(m.get("role", "user")), str(m.get("content", ""))) for m in messages or ()
+            ]
+            ids = (
+                encoder.encode_chat(turns) if isinstance(messages, list) else encoder.encode(prompt)
+            )
+        else:
+            ids = tokenize(prompt)
+            for piece in PIECE.findall(prompt):  # remembered, so /detokenize can answer
+                self.words[tokenize(piece)[0]] = piece
         answer = {
             "count": len(ids),
             "max_model_len": server.config.limits.max_model_len,
@@ -215,7 +227,9 @@ class Pooling:
             return fail(server, 400, "tokens must be a list of integers").response
         server.record(request, body, None)
         server.served[(request.path, None)] += 1
-        text = " ".join(self.words.get(t, f"<{t}>") for t in tokens)
+        text = server.encoder.decode(tokens)
+        if text is None:
+            text = " ".join(self.words.get(t, f"<{t}>") for t in tokens)
         key = "prompt" if server.persona.name == "vllm" else "text"
         answer = {key: text}
         return web.json_response(answer, headers={"x-sim-engine": server.engine_id}, dumps=dumps)

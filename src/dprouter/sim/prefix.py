@@ -3,12 +3,17 @@
 Block i's hash covers blocks 0..i, so a hit on block i implies the whole
 prefix up to it matches; a lookup walks from the first block and stops at the
 first miss, as vLLM's hash-based prefix caching does.
+
+With ``record`` on, the cache keeps a journal of what entered and left it (the
+engines' KV events); the engine takes it once per step. Off, it costs nothing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from dprouter.sim.kvevents import Cleared, KvEvent, Removed, Stored
 
 
 def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
@@ -22,9 +27,25 @@ def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
 
 
 class PrefixCache:
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, block_size: int = 16, record: bool = False) -> None:
         self.capacity = capacity_blocks
+        self.block_size = block_size
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.journal: list[KvEvent] | None = [] if record else None
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def blocks(self) -> list[int]:
+        """The hashes held, least recently used first."""
+        return list(self._blocks)
+
+    def take_events(self) -> list[KvEvent]:
+        """What happened since the last call (one engine step's batch)."""
+        if not self.journal:
+            return []
+        events, self.journal = self.journal, []
+        return events
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -40,17 +61,34 @@ class PrefixCache:
             n += 1
         return n
 
-    def insert(self, hashes: Sequence[int]) -> None:
+    def insert(self, hashes: Sequence[int], ids: Sequence[int] = ()) -> None:
+        """Cache the full blocks of a prompt (``ids``: its tokens, for the journal)."""
         if self.capacity <= 0:
             return
         blocks = self._blocks
-        for h in hashes:
+        journal = self.journal
+        run: Stored | None = None  # the run of new blocks being recorded
+        for i, h in enumerate(hashes):
             if h in blocks:
                 blocks.move_to_end(h)
-            else:
-                blocks[h] = None
+                run = None
+                continue
+            blocks[h] = None
+            if journal is None:
+                continue
+            tokens = list(ids[i * self.block_size : (i + 1) * self.block_size])
+            if run is None:
+                run = Stored([], hashes[i - 1] if i else None, [], self.block_size)
+                journal.append(run)
+            run.block_hashes.append(h)
+            run.token_ids.extend(tokens)
+        evicted: list[int] = []
         while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
+            evicted.append(blocks.popitem(last=False)[0])
+        if evicted and journal is not None:
+            journal.append(Removed(evicted))
 
     def clear(self) -> None:
         self._blocks.clear()
+        if self.journal is not None:
+            self.journal.append(Cleared())

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dprouter.sim.tokens import render_chat, tokenize
+from dprouter.sim.encoder import BuiltinEncoder, Encoder
 
 DEFAULT_MAX_TOKENS = 16
 # the simulator's end of sequence: a prompt that ends with "eos=N" stops after N output
@@ -100,9 +100,10 @@ class Parsed:
         return len(self.prompt_ids) + self.max_tokens
 
 
-def parse(kind: Kind, body: object) -> Parsed:
-    """Validate a JSON body; raises ``ValueError`` with a message naming the field."""
-    return _check(_parse(kind, body))
+def parse(kind: Kind, body: object, encoder: Encoder | None = None) -> Parsed:
+    """Validate a JSON body; raises ``ValueError`` with a message naming the field.
+    ``encoder``: the engine's tokenizer (default: the built-in rule)."""
+    return _check(_parse(kind, body, encoder or BuiltinEncoder()))
 
 
 def _stop(text: str, limit: int) -> int:
@@ -111,13 +112,13 @@ def _stop(text: str, limit: int) -> int:
     return min(limit, int(found.group(1))) if found else limit
 
 
-def _parse(kind: Kind, body: object) -> Parsed:
+def _parse(kind: Kind, body: object, encoder: Encoder) -> Parsed:
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
     try:
         if kind == "completion":
             c = CompletionBody.model_validate(body)
-            ids = tokenize(c.prompt) if isinstance(c.prompt, str) else c.prompt
+            ids = encoder.encode(c.prompt) if isinstance(c.prompt, str) else c.prompt
             opts = c.stream_options
             limit = c.max_tokens or DEFAULT_MAX_TOKENS
             return Parsed(
@@ -130,13 +131,12 @@ def _parse(kind: Kind, body: object) -> Parsed:
             )
         if kind == "chat":
             ch = ChatBody.model_validate(body)
-            text = render_chat([(m.role, m.text()) for m in ch.messages])
             opts = ch.stream_options
             limit = ch.max_completion_tokens or ch.max_tokens or DEFAULT_MAX_TOKENS
             return Parsed(
                 kind=kind,
                 model=ch.model,
-                prompt_ids=tokenize(text),
+                prompt_ids=encoder.encode_chat([(m.role, m.text()) for m in ch.messages]),
                 max_tokens=_stop(ch.messages[-1].text(), limit),
                 stream=ch.stream,
                 include_usage=bool(opts and opts.include_usage),
@@ -144,7 +144,7 @@ def _parse(kind: Kind, body: object) -> Parsed:
         g = GenerateBody.model_validate(body)
         if (g.text is None) == (g.input_ids is None):
             raise ValueError("exactly one of text or input_ids must be given")
-        ids = tokenize(g.text) if g.text is not None else list(g.input_ids or [])
+        ids = encoder.encode(g.text) if g.text is not None else list(g.input_ids or [])
         return Parsed(
             kind=kind,
             model=None,

@@ -49,6 +49,7 @@ class Rank:
         cost: CostModel,
         slow: float = 1.0,
         track_tokens: bool = True,
+        record_events: bool = False,
     ) -> None:
         self.index = index
         self.limits = limits
@@ -60,7 +61,7 @@ class Rank:
         self.decoding = DecodeBatch()
         self.kv_reserved = 0  # sum of footprints of running requests: admission bound
         self.kv_used = 0  # tokens actually held: prompt + generated of running requests
-        self.cache = PrefixCache(limits.cache_blocks)
+        self.cache = PrefixCache(limits.cache_blocks, limits.block_size, record_events)
         self.stats = RankStats()
 
     @property
@@ -175,7 +176,7 @@ class Rank:
             if req.computed < req.prompt_len:
                 continue
             self.prefilling.remove(req)
-            self.cache.insert(req.block_hashes or ())
+            self.cache.insert(req.block_hashes or (), req.prompt_ids)
             stats.prompt_tokens += req.prompt_len
             req.phase = Phase.DECODE
             decoding.add(req)

@@ -9,8 +9,10 @@ runs late; a late loop only shows up as idle time between steps.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from dprouter.sim.engine import Engine, Stepper
+from dprouter.sim.rank import Rank
 from dprouter.sim.request import SimRequest
 
 # what a request's queue carries: tokens generated so far, and whether it is done
@@ -21,8 +23,11 @@ ABORTED = -2  # progress of a request ended by /abort_request (-1: the engine st
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine) -> None:
+    """``on_step`` sees the ranks of every step that ends (the KV events go out there)."""
+
+    def __init__(self, engine: Engine, on_step: Callable[[list[Rank]], None] | None = None) -> None:
         self.engine = engine
+        self.on_step = on_step
         self.scale = engine.config.time_scale
         self._loop = asyncio.get_running_loop()
         self._t0 = self._loop.time()
@@ -93,6 +98,8 @@ class EngineRunner:
             await asyncio.sleep(max(delay, 0.0))
             self._virtual_floor = max(self._virtual_floor, end)
             events = self.engine.end(plan, end)
+            if self.on_step is not None:
+                self.on_step(stepper.ranks)
             for req in events.tokens:
                 queue = self._queues.get(req.rid)
                 if queue is not None:

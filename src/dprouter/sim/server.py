@@ -17,8 +17,10 @@ from dprouter.net import bind, url_of
 from dprouter.sim import endpoints
 from dprouter.sim.audio import Audio
 from dprouter.sim.config import EngineConfig
+from dprouter.sim.encoder import encoder_for
 from dprouter.sim.endpoints import Handler
 from dprouter.sim.engine import Engine
+from dprouter.sim.kvpublish import KvPublishers
 from dprouter.sim.metrics import vllm_registry
 from dprouter.sim.pd import Me
 from dprouter.sim.pd_side import PdSide
@@ -76,6 +78,10 @@ class SimServer:
         self.pd = PdSide(self, config.pd) if config.pd is not None else None
         self.responses = Responses(self)
         self.audio = Audio(self)  # kept across restarts: what each rank took, in all
+        self.encoder = encoder_for(config.tokenizer)  # read once, here: never on a request
+        kv = config.kv_events
+        # kept across restarts: the ports stay, the sequences start again from 0
+        self.kv = KvPublishers(kv, config.persona, config.dp_size, host) if kv.enabled else None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -118,9 +124,11 @@ class SimServer:
 
     async def start(self) -> None:
         quiet_malformed()  # peers probe with HTTP/2 prior knowledge: one line, not a trace
-        self.engine = Engine(self.config, self.engine_id)
+        self.engine = Engine(self.config, self.engine_id, record_events=self.kv is not None)
         self.responses = Responses(self)  # a restarted engine has forgotten them all
-        self.runner = EngineRunner(self.engine)
+        if self.kv is not None:
+            await self.kv.start()
+        self.runner = EngineRunner(self.engine, self.kv.flush if self.kv is not None else None)
         self.runner.start()
         self.generation_requests = 0
         self.started_at = asyncio.get_running_loop().time()
@@ -136,8 +144,16 @@ class SimServer:
         await self._site.start()
         self.started.set()
 
+    def reset_prefix_cache(self) -> None:
+        """Every rank forgets its cache; the AllBlocksCleared events go out at once."""
+        self.engine.reset_prefix_cache()
+        if self.kv is not None:
+            self.kv.flush(self.engine.ranks)
+
     async def stop(self) -> None:
         await self.runner.stop()  # in-flight requests end with an error, not a hang
+        if self.kv is not None:
+            await self.kv.stop()
         if self.pd is not None:
             await self.pd.stop()
         if self._runner is not None:
@@ -157,6 +173,8 @@ class SimServer:
                 if handler.transport is not None:
                     handler.transport.abort()
         await self.runner.stop()
+        if self.kv is not None:
+            await self.kv.stop()
         if self.pd is not None:
             await self.pd.stop()
         await self._runner.cleanup()

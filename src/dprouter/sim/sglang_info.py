@@ -88,7 +88,28 @@ def server_info(server: SimServer) -> dict[str, Any]:
         "max_req_input_len": c.limits.max_model_len - 1,
         "internal_states": states,
         "version": VERSION,
+        "kv_events": kv_events(server),
     }
+
+
+def kv_events(server: SimServer) -> dict[str, Any] | None:
+    """SGLang's ``describe_kv_events_publisher`` (``runtime_context.py``): the base ports
+    a router adds each rank to; ``None`` with events off."""
+    kv = server.kv
+    if kv is None:
+        return None
+    host = kv.config.endpoint.removeprefix("tcp://").rpartition(":")[0]
+    out: dict[str, Any] = {
+        "publisher": "zmq",
+        "endpoint_host": host,
+        "endpoint_port_base": kv.base,
+        "topic": kv.config.topic,
+        "block_size": server.config.limits.block_size,
+        "dp_size": server.config.dp_size,
+    }
+    if kv.replay_base is not None:
+        out["replay_endpoint_port_base"] = kv.replay_base
+    return out
 
 
 def loads(server: SimServer, ranks: list[Rank]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from dprouter.sim.served import Refused, body_of, dumps, fail, place
-from dprouter.sim.tokens import output_token, prompt_digest, tokenize
+from dprouter.sim.tokens import output_token, prompt_digest
 
 if TYPE_CHECKING:
     from dprouter.sim.server import SimServer
@@ -100,10 +100,11 @@ class Responses:
         budget = body.get("max_output_tokens")
         budget = budget if isinstance(budget, int) and budget > 0 else WORDS_MAX
         context = f"{context}\nuser: {text}"
-        digest = prompt_digest(tokenize(context))
+        ids = server.encoder.encode(context)
+        digest = prompt_digest(ids)
         words = [output_token(digest, i) for i in range(min(budget, WORDS_MAX))]
         answer = "".join(words).strip()
-        prompt_tokens, out_tokens = len(tokenize(context)), len(words)
+        prompt_tokens, out_tokens = len(ids), len(words)
         rid = "resp_" + uuid.uuid4().hex
         done = {
             "status": "completed",

@@ -81,3 +81,12 @@ def write_tokenizer(directory: Path) -> Path:
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
+
+
+def ensure_tokenizer(directory: Path) -> bool:
+    """Use the files in ``directory``; write the simulator's own there when it has no
+    ``tokenizer.json``. True when they were written now."""
+    if (directory / "tokenizer.json").is_file():
+        return False
+    write_tokenizer(directory)
+    return True
