@@ -53,7 +53,7 @@ class KvIndex:
         self.entries: dict[int, int] = {}  # key -> holders mask << DEPTH_BITS | depth
         self.ranks: dict[tuple[str, int], Rank] = {}
         self.size = 0  # blocks held over all ranks
-        self.version = 0  # bumped when a rank joins or leaves (lookups cache by it)
+        self.version = 0  # bumped when a rank joins, leaves or sizes its blocks
         self.counts = Counts()
         self._free: list[int] = []
         self._next = 0
@@ -110,7 +110,9 @@ class KvIndex:
                 self.counts.orphans += n
                 return
             parent, depth = known, self.entries[known] & DEPTH
-        rank.block_size = e.block_size
+        if rank.block_size != e.block_size:
+            rank.block_size = e.block_size
+            self.version += 1  # lookups group ranks by block size
         bit, entries = 1 << rank.bit, self.entries
         for i, (h, key) in enumerate(
             zip(e.hashes, chain(parent, depth, e.tokens, e.block_size), strict=True)

@@ -20,10 +20,10 @@ Assignment = Literal["random", "min_load", "min_group"]
 @dataclass(frozen=True, slots=True)
 class Prefix:
     """How much of a prompt each target holds in its KV cache, as its engine's events
-    said: ``held[label]`` of the prompt's ``blocks`` leading blocks (a target holding
+    said: ``held[label]`` of the prompt's ``tokens``, in leading blocks (a target holding
     none is left out)."""
 
-    blocks: int
+    tokens: int
     held: Mapping[str, int]
 
 

@@ -1,10 +1,10 @@
 """``prefix``: the target whose engine holds most of the prompt, weighed against load.
 
 What each target holds comes from its engine's KV-cache events (``kvevents``), in
-``RequestInfo.prefix``: ``held`` of the prompt's ``blocks`` leading blocks. Each target
-scores
+``RequestInfo.prefix``: ``held`` of the prompt's ``tokens``, in leading blocks. Each
+target scores
 
-    score = prefix_weight x held / blocks x [load <= prefix_bound x (mean load + 1)]
+    score = prefix_weight x held / tokens x [load <= prefix_bound x (mean load + 1)]
             - load_weight x load / (mean load + 1)
             - token_weight x tokens / (mean tokens + prompt tokens + 1)
 
@@ -52,12 +52,12 @@ class PrefixPolicy:
         score = -self.load_weight * loads / (mean_load + 1)
         score -= self.token_weight * tokens / (mean_tokens + request.tokens + 1)
         prefix = request.prefix
-        if prefix is not None and prefix.blocks and prefix.held and self.weight:
+        if prefix is not None and prefix.tokens and prefix.held and self.weight:
             if targets is not self._pool:
                 self._pool, self._where = targets, {t.label: i for i, t in enumerate(targets)}
             limit = self.bound * (mean_load + 1)
             for label, held in prefix.held.items():
                 i = self._where.get(label)
                 if i is not None and loads[i] <= limit:
-                    score[i] += self.weight * held / prefix.blocks
+                    score[i] += self.weight * held / prefix.tokens
         return targets[first_least(-score, self.start)]
