@@ -82,7 +82,7 @@ async def test_a_prompt_goes_to_the_rank_holding_it(
                 found = router.parts.feed.index.ranks.get(("w0", rank))
                 if found is not None and found.blocks:
                     break
-        for body, path, rank in (
+        for body, path, expected in (
             ({"messages": [*messages[:1], {"role": "user", "content": "hi"}]}, "chat", "2"),
             ({"prompt": SYSTEM + " and then"}, "", "1"),
         ):
@@ -90,7 +90,7 @@ async def test_a_prompt_goes_to_the_rank_holding_it(
                 url = f"{router.url}/v1/{'chat/' if path else ''}completions"
                 async with http.post(url, json={**body, "max_tokens": 2}) as r:
                     assert r.status == 200, await r.text()
-                    assert r.headers["x-sim-dp-rank"] == rank
+                    assert r.headers["x-sim-dp-rank"] == expected
         # nothing held: spread by load (sequential requests: the rotating tie-break)
         seen = set()
         for i in range(4):
@@ -110,7 +110,7 @@ def test_prefix_needs_a_tokenizer_and_the_file_must_be_there(tmp_path: Path) -> 
 
     with pytest.raises(ConfigError, match="--tokenizer"):
         validate(RouterConfig(policy="prefix"))
-    with pytest.raises(ConfigError, match="no tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
         validate(RouterConfig(policy="prefix", tokenizers=(f"m={tmp_path}",)))
     with pytest.raises(ConfigError, match="kv_events must be tcp://HOST:PORT or auto"):
         validate(RouterConfig(workers=(WorkerSpec("http://h:1", kv_events="h:1"),)))
