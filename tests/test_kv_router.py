@@ -79,7 +79,7 @@ async def test_a_prompt_goes_to_the_rank_holding_it(
                 hashes = list(range(1000 * rank, 1000 * rank + len(ids) // BLOCK))
                 await pubs[rank].publish([stored(hashes, None, ids, BLOCK)])
                 await asyncio.sleep(0.01)
-                found = router.parts.feed.index.ranks.get(("w0", rank))
+                found = feed.index.ranks.get(("w0", rank))
                 if found is not None and found.blocks:
                     break
         for body, path, expected in (
