@@ -175,6 +175,7 @@ def test_registry_names_every_policy() -> None:
         "manual",
         "cache_aware",
         "min_tokens",
+        "prefix",
     ]
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         make_policy("nope")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -19,11 +20,16 @@ from dprouter.admission import Admission, AdmissionOptions
 from dprouter.attempts import Rules, Side
 from dprouter.breaker import BreakerOptions, Breakers
 from dprouter.claims import claims
-from dprouter.config import RouterConfig, validate
+from dprouter.config import ConfigError, RouterConfig, validate
 from dprouter.drain import Drain
 from dprouter.follower import Channel, Follower, SharedBreakers
 from dprouter.handlers import Handlers
 from dprouter.httplog import quiet_malformed
+from dprouter.kvevents import prompt
+from dprouter.kvevents.feed import Feed
+from dprouter.kvevents.index import KvIndex
+from dprouter.kvevents.lookup import Lookup
+from dprouter.kvevents.metrics import KvCollector
 from dprouter.lag import LoopLag
 from dprouter.membership import Source, read_within, sources
 from dprouter.metrics import RouterMetrics
@@ -32,13 +38,14 @@ from dprouter.net import bind, check_backlog, url_of
 from dprouter.pd.proxy import PairProxy
 from dprouter.pd.registration import Registration
 from dprouter.placer import Placer, Places
-from dprouter.policies import Policy, make_policy
+from dprouter.policies import Policy, make_policy, needs_tokens
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy import Proxy
 from dprouter.registry import Registry, worker_from_spec
 from dprouter.relay import error
 from dprouter.targets import Target
+from dprouter.tokenizer import TokenizerError
 from dprouter.turn import Turn
 
 log = logging.getLogger("dprouter")
@@ -60,6 +67,8 @@ class Parts:
     control: Channel | None = None  # a serving process of --processes N: the parent's link
     turn: Turn | None = None  # ...and its decisions, one at a time with the others'
     lag: LoopLag = field(default_factory=LoopLag)  # the event loop's, for /metrics
+    lookup: Lookup | None = None  # a policy that needs tokens: the prompt against the index
+    feed: Feed | None = None  # ...and the engines' KV events that build it
 
 
 PARTS = web.AppKey("dprouter", Parts)
@@ -97,6 +106,9 @@ def build_app(
         control=control,
         turn=turn,
     )
+    if needs_tokens(parts.policy):
+        parts.lookup, parts.feed = prefix_parts(config, registry)
+        parts.metrics.add(KvCollector(parts.feed))
     if control is None:
         parts.sources = sources(config, registry, parts.monitor)
     if control is not None and isinstance(parts.monitor, Follower):
@@ -114,6 +126,19 @@ def build_app(
         app.add_routes(dashboard.routes())
         app.cleanup_ctx.append(dashboard.lifecycle)
     return app
+
+
+def prefix_parts(config: RouterConfig, registry: Registry) -> tuple[Lookup, Feed]:
+    """The index, the engines' events that build it and the tokenizers that look prompts
+    up in it; the tokenizer files are read now, at start-up."""
+    index = KvIndex(config.kv_capacity)
+    pool = ThreadPoolExecutor(2, thread_name_prefix="tokenise")
+    try:
+        tokens = prompt.load(config.tokenizer_dirs(), pool, prompt.TOKENS_KEPT)
+    except (TokenizerError, OSError, ValueError) as exc:
+        pool.shutdown()
+        raise ConfigError(f"cannot load a tokenizer: {exc}") from None
+    return Lookup(tokens, index, pool), Feed(registry, index)
 
 
 def share_prefixes(follower: Follower, policy: CacheAware) -> None:
@@ -245,6 +270,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         parts.proxy = Proxy(
             config, parts.registry, parts.policy, parts.metrics, rules, placer, parts.turn
         )
+        parts.proxy.lookup = parts.lookup
+    if parts.feed is not None:
+        await parts.feed.start()
     await parts.monitor.start()
     parts.lag.start()
     try:
@@ -256,6 +284,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         for source in parts.sources:
             await source.stop()
         await parts.monitor.stop()
+        if parts.feed is not None:
+            await parts.feed.stop()
+        if parts.lookup is not None:
+            parts.lookup.close()
         parts.breakers.stop()
         await session.close()
 

@@ -42,6 +42,10 @@ class WorkerSpec:
     model: str | None = None
     bootstrap_port: int | None = None  # SGLang prefill; None: as /server_info reports it
     tp_size: int | None = None  # P/D peers are told it (MoRIIO); None: as discovered, else 1
+    # KV-cache events: tcp://HOST:PORT, rank r publishing on PORT + r (the engines' layout),
+    # or auto (vLLM's GET /kv_event_sources says); a replay socket likewise (docs/kv-events.md)
+    kv_events: str | None = None
+    kv_replay: str | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,13 @@ class RouterConfig:
     bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"  # SGLang prefill pods
     kubeconfig: str | None = None  # outside a pod; None: $KUBECONFIG or ~/.kube/config
     resync: float = 60.0  # seconds between whole re-lists of the pods, whatever the watch said
+    # each model's tokenizer directory, as [MODEL=]DIR (no MODEL: any model without its own)
+    tokenizers: tuple[str, ...] = ()
+    kv_capacity: int = 4_000_000  # blocks the KV-event index holds at most, over all ranks
+    prefix_weight: float = 1.0  # prefix: the score's weights (docs/kv-events.md)
+    prefix_bound: float = 1.5
+    load_weight: float = 1.0
+    token_weight: float = 1.0
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -123,7 +134,19 @@ class RouterConfig:
             assignment=self.assignment or "random",  # type: ignore[arg-type]
             key_ttl=self.key_ttl,
             session_bound=self.session_bound,
+            prefix_weight=self.prefix_weight,
+            prefix_bound=self.prefix_bound,
+            load_weight=self.load_weight,
+            token_weight=self.token_weight,
         )
+
+    def tokenizer_dirs(self) -> dict[str | None, Path]:
+        """Tokenizer directories by model (None: the one for any other model)."""
+        found: dict[str | None, Path] = {}
+        for text in self.tokenizers:
+            model, sep, directory = text.rpartition("=")
+            found[model if sep else None] = Path(directory)
+        return found
 
 
 SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
@@ -210,6 +233,7 @@ def validate(config: RouterConfig) -> RouterConfig:
     for name in ("connect_timeout", "heartbeat_timeout", "backlog", "max_body"):
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
+    check_prefix(config)
     if config.health_failures < 1 or config.health_successes < 1:
         raise ConfigError("health_failures and health_successes must be at least 1")
     for name in ("prefill_policy", "decode_policy"):
@@ -259,7 +283,50 @@ def validate(config: RouterConfig) -> RouterConfig:
         warnings=tuple(warnings),
         processes=processes,
         load_interval=load_interval,
+        tokenizers=tuple(config.tokenizers),
     )
+
+
+def check_prefix(config: RouterConfig) -> None:
+    if not isinstance(config.tokenizers, tuple | list) or not all(
+        isinstance(t, str) and t for t in config.tokenizers
+    ):
+        raise ConfigError(f"tokenizers must be a list of [MODEL=]DIR, got {config.tokenizers!r}")
+    for model, directory in config.tokenizer_dirs().items():
+        if not (directory / "tokenizer.json").is_file():
+            name = "" if model is None else f" of {model}"
+            raise ConfigError(f"tokenizer{name}: no tokenizer.json in {directory}")
+    uses = {config.policy, config.prefill_policy, config.decode_policy}
+    if "prefix" in uses and not config.tokenizers:
+        raise ConfigError(
+            "--policy prefix matches a prompt's tokens against the engines' KV events: give "
+            "--tokenizer [MODEL=]DIR (the model's tokenizer.json) and kv_events= on the workers"
+        )
+    if config.kv_capacity < 1:
+        raise ConfigError(f"kv_capacity must be at least 1, got {config.kv_capacity}")
+    for name in ("prefix_weight", "prefix_bound", "load_weight", "token_weight"):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
+
+
+def check_kv_events(spec: WorkerSpec, url: str) -> None:
+    for name in ("kv_events", "kv_replay"):
+        value = getattr(spec, name)
+        if value is None or (value == "auto" and name == "kv_events"):
+            continue
+        where = urlsplit(value)
+        try:
+            port = where.port
+        except ValueError:
+            port = None
+        if where.scheme != "tcp" or not where.hostname or port is None:
+            raise ConfigError(
+                f"worker {url}: {name} must be tcp://HOST:PORT"
+                + (" or auto" if name == "kv_events" else "")
+                + f", got {value!r}"
+            )
+    if spec.kv_replay is not None and spec.kv_events is None:
+        raise ConfigError(f"worker {url}: kv_replay needs kv_events")
 
 
 KUBERNETES = "k8s"
@@ -336,6 +403,7 @@ def check_worker(spec: WorkerSpec) -> WorkerSpec:
         raise ConfigError(f"worker {url}: dp_size must be at least 1")
     if spec.rank_offset is not None and spec.rank_offset < 0:
         raise ConfigError(f"worker {url}: rank_offset must be at least 0")
+    check_kv_events(spec, url)
     return replace(spec, url=url)
 
 

@@ -47,6 +47,8 @@ WORKER_FIELDS = (
     "tp_size",
     "zmq_address",
     "transfer_mode",
+    "kv_events",
+    "kv_replay",
     "ranks",
     "dp_attention",
     "models",

@@ -108,6 +108,7 @@ class RouterMetrics:
     def __init__(self, registry: Registry, shared_dir: str | None = None) -> None:
         self.shared_dir = shared_dir
         self.live = _Live(registry)
+        self.extra: list[Collector] = []  # read at scrape time too (``add``)
         self.prom = CollectorRegistry(auto_describe=False)
         p = self.prom
         self.requests = Counter(
@@ -157,6 +158,12 @@ class RouterMetrics:
         self._series: dict[int, TargetSeries] = {}
         self._pairs: dict[tuple[int, int], tuple[Target, Target, Any]] = {}
 
+    def add(self, collector: Collector) -> None:
+        """More series read at scrape time (the KV-event feed's)."""
+        self.extra.append(collector)
+        if self.shared_dir is None:
+            self.prom.register(collector)
+
     def series(self, target: Target) -> TargetSeries:
         found = self._series.get(id(target))
         if found is None or found.target is not target:
@@ -183,6 +190,8 @@ class RouterMetrics:
         whole = CollectorRegistry(auto_describe=False)
         MultiProcessCollector(whole, self.shared_dir)  # type: ignore[no-untyped-call]
         whole.register(self.live)
+        for collector in self.extra:
+            whole.register(collector)
         return whole
 
     def exposition(self) -> bytes:

@@ -22,6 +22,7 @@ from dprouter.cancel import Aborter, ensure_rid
 from dprouter.config import RouterConfig
 from dprouter.estimate import learn
 from dprouter.inbound import ClientRequest, read_request
+from dprouter.kvevents.lookup import Lookup
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import Incoming, Kind
 from dprouter.placer import Places
@@ -52,6 +53,7 @@ class Proxy:
         self.metrics = metrics
         self.rules = rules
         self.aborter = Aborter(rules.session)  # SGLang: a client that leaves aborts its request
+        self.lookup: Lookup | None = None  # a policy that needs tokens: what targets hold
 
     async def handle(
         self, request: web.Request, kind: Kind, dialect: DialectName | None = None
@@ -89,6 +91,8 @@ class Proxy:
             now=started,
             pool=(kind == "generate", incoming.model, client.pinned),
         )
+        if self.lookup is not None:
+            info = replace(info, prefix=await self.lookup.prefix(kind, incoming, pool))
         attempts = self.rules.start()
         while candidates := attempts.candidates(pool):
             if attempts.tried:

@@ -177,4 +177,6 @@ def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
         model=spec.model,
         bootstrap_port=spec.bootstrap_port,
         tp_size=spec.tp_size,
+        kv_events=spec.kv_events,
+        kv_replay=spec.kv_replay,
     )

@@ -53,7 +53,8 @@ def make_config(
     multiple=True,
     metavar="URL[,key=value...]",
     help="An engine endpoint; keys: id, dialect, dp_size, role, model, rank_offset, "
-    "bootstrap_port, tp_size.",
+    "bootstrap_port, tp_size, kv_events (tcp://HOST:PORT, rank r on PORT + r, or auto), "
+    "kv_replay.",
 )
 @click.option(
     "--config",
@@ -180,6 +181,50 @@ def make_config(
     type=click.Choice(["random", "min_load", "min_group"]),
     default=None,
     help="How manual places a new routing key.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizers",
+    multiple=True,
+    metavar="[MODEL=]DIR",
+    help="A model's tokenizer directory (tokenizer.json, tokenizer_config.json), loaded at "
+    "start-up, never from a hub; without MODEL= for any model without its own. For --policy "
+    "prefix.",
+)
+@click.option(
+    "--kv-capacity",
+    type=click.IntRange(min=1),
+    default=4_000_000,
+    show_default=True,
+    help="prefix: blocks the KV-event index holds at most, over all ranks (~200 B each).",
+)
+@click.option(
+    "--prefix-weight",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="prefix: worth of a target holding the whole prompt (docs/kv-events.md).",
+)
+@click.option(
+    "--prefix-bound",
+    type=click.FloatRange(min=0),
+    default=1.5,
+    show_default=True,
+    help="prefix: a held prefix counts while the target's load <= this x (mean load + 1).",
+)
+@click.option(
+    "--load-weight",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="prefix: cost of requests in flight, relative to the mean + 1.",
+)
+@click.option(
+    "--token-weight",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="prefix: cost of tokens in flight, relative to the mean + the prompt's.",
 )
 @click.option("--sessions", is_flag=True, help="Clients send routing keys: keep them sticky.")
 @click.option(

@@ -52,6 +52,8 @@ class Worker:
     tp_size: int | None = None
     zmq_address: str | None = None  # MoRIIO: "host:IP,handshake:PORT,notify:PORT"
     transfer_mode: str | None = None  # MoRIIO: READ or WRITE
+    kv_events: str | None = None  # KV-event publisher: tcp://HOST:PORT (rank r: PORT + r), auto
+    kv_replay: str | None = None  # its replay socket, likewise
     # learnt by discovery
     ranks: int = 0  # DP ranks this endpoint takes (0: not discovered yet)
     dp_attention: bool = False

@@ -87,6 +87,22 @@ class ModelTokenizer:
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=special).ids)
 
+    def encode_batch(self, texts: Sequence[str], *, special: bool = True) -> list[list[int]]:
+        """Several texts at once. Unlike ``encode`` it releases the GIL (measured: a
+        20k-token ``encode`` held it for ~170 ms; with ``encode_batch`` in a thread the event
+        loop still ran every few ms), so it is the one to call from a thread."""
+        found = self._tokenizer.encode_batch(list(texts), add_special_tokens=special)
+        return [list(e.ids) for e in found]
+
+    def added_tokens(self) -> dict[str, int]:
+        """Added tokens by content, when none strips the space beside it (else {}): the
+        tokenizer splits text on them before anything else, so the text between two of
+        them encodes the same alone as in the whole."""
+        added = self._tokenizer.get_added_tokens_decoder()
+        if any(t.lstrip or t.rstrip or t.single_word for t in added.values()):
+            return {}
+        return {t.content: i for i, t in added.items() if t.content}
+
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The chat prompt text, with the generation prompt added (as the engines do)."""
         if self._template is None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dprouter.policies.base import Policy, PolicyOptions, RequestInfo
+from dprouter.policies.base import Policy, PolicyOptions, Prefix, RequestInfo, needs_tokens
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.consistent_hash import ConsistentHash
 from dprouter.policies.least_load import LeastLoad
 from dprouter.policies.manual import Manual
 from dprouter.policies.min_tokens import MinTokens
 from dprouter.policies.power_of_two import PowerOfTwo
+from dprouter.policies.prefix import PrefixPolicy
 from dprouter.policies.random_pick import RandomPick
 from dprouter.policies.round_robin import RoundRobin
 
@@ -26,6 +27,7 @@ POLICIES: dict[str, Callable[[PolicyOptions], Policy]] = {
         Manual,
         CacheAware,
         MinTokens,
+        PrefixPolicy,
     )
 }
 
@@ -38,4 +40,12 @@ def make_policy(name: str, options: PolicyOptions | None = None) -> Policy:
     return factory(options or PolicyOptions())
 
 
-__all__ = ["POLICIES", "Policy", "PolicyOptions", "RequestInfo", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "PolicyOptions",
+    "Prefix",
+    "RequestInfo",
+    "make_policy",
+    "needs_tokens",
+]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -17,6 +17,16 @@ from dprouter.targets import Target
 Assignment = Literal["random", "min_load", "min_group"]
 
 
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """How much of a prompt each target holds in its KV cache, as its engine's events
+    said: ``held[label]`` of the prompt's ``tokens``, in leading blocks (a target holding
+    none is left out)."""
+
+    tokens: int
+    held: Mapping[str, int]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestInfo:
     """What a policy may know about a request (named on construction, never by position)."""
@@ -27,6 +37,7 @@ class RequestInfo:
     now: float = 0.0  # monotonic seconds, for expiring idle keys
     pool: Hashable = None  # which pool the targets come from (role, model, ...): counters per pool
     attempt: int = 0  # > 0: a retry after a failed attempt, over the targets not yet tried
+    prefix: Prefix | None = None  # for a policy that ``needs_tokens``: the cached prefix
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,10 @@ class PolicyOptions:
     cache_threshold: float = 0.5  # cache_aware: least prefix share that keeps affinity
     balance_abs: int = 32  # cache_aware: load gap that triggers balancing...
     balance_rel: float = 1.5  # ...when the busiest also has this many times the least
+    prefix_weight: float = 1.0  # prefix: worth of holding the whole prompt...
+    prefix_bound: float = 1.5  # ...counted while the target's load <= bound x (mean + 1)
+    load_weight: float = 1.0  # prefix: cost of requests in flight, relative to the mean
+    token_weight: float = 1.0  # prefix: cost of tokens in flight, relative to the mean
 
 
 class Policy(Protocol):
@@ -46,6 +61,13 @@ class Policy(Protocol):
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         """``targets`` is never empty; return one of them."""
         ...
+
+
+def needs_tokens(policy: Policy) -> bool:
+    """The policy reads ``RequestInfo.prefix``: the request path tokenises the prompt and
+    looks it up for it. An attribute only such policies declare, so the protocol stays
+    one method."""
+    return bool(getattr(policy, "needs_tokens", False))
 
 
 LOAD = attrgetter("load")

@@ -1,0 +1,177 @@
+"""Which rank holds which block: the index the engines' events build.
+
+Every block is known by its key (``keys``: its whole token prefix), so the same prompt
+held by two ranks, or two engines with different hash seeds, is one entry. An entry
+packs, in one int, the ranks holding the key as a bit mask (one bit per rank, bits
+reused as ranks come and go) above the key's depth in tokens (its parent's depth is
+what a child's key needs). Each rank keeps its engine's block hashes -> keys, for
+``BlockRemoved`` and for chaining a stored block to its parent; nothing is held that
+the rank did not say it holds, and a rank dropped is emptied at once.
+
+Memory is bounded: past ``capacity`` (blocks over all ranks) new blocks are not
+indexed -- the index then under-reports, which costs a cache miss, never a wrong
+claim. About 200 bytes a block held by one rank (docs/kv-events.md: measured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dprouter.kvevents.keys import chain, root
+from dprouter.kvevents.wire import Cleared, Event, Hash, Removed, Stored
+
+DEPTH_BITS = 32
+DEPTH = (1 << DEPTH_BITS) - 1
+GPU = (None, "GPU", "gpu")  # what a prompt can hit at once; a CPU tier's blocks are not counted
+
+
+@dataclass(eq=False)
+class Rank:
+    """One rank's blocks, as its events said."""
+
+    name: tuple[str, int]  # (worker id, dp rank)
+    bit: int
+    blocks: dict[Hash, int] = field(default_factory=dict)  # engine hash -> key
+    block_size: int = 0  # 0: no block stored yet
+    orphans: int = 0  # blocks stored under a parent never seen (a replay may bring it)
+
+
+@dataclass
+class Counts:
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    orphans: int = 0
+    dropped: int = 0  # blocks not indexed: over capacity
+    ignored: int = 0  # events of another medium, group or token kind
+
+
+class KvIndex:
+    def __init__(self, capacity: int = 4_000_000) -> None:
+        self.capacity = capacity
+        self.entries: dict[int, int] = {}  # key -> holders mask << DEPTH_BITS | depth
+        self.ranks: dict[tuple[str, int], Rank] = {}
+        self.size = 0  # blocks held over all ranks
+        self.version = 0  # bumped when a rank joins, leaves or sizes its blocks
+        self.counts = Counts()
+        self._free: list[int] = []
+        self._next = 0
+
+    def rank(self, worker: str, dp_rank: int) -> Rank:
+        name = (worker, dp_rank)
+        found = self.ranks.get(name)
+        if found is None:
+            bit = self._free.pop() if self._free else self._next
+            self._next += bit == self._next
+            found = self.ranks[name] = Rank(name, bit)
+            self.version += 1
+        return found
+
+    def drop(self, worker: str, dp_rank: int) -> None:
+        """The rank's stream is gone: it holds nothing the router knows of."""
+        found = self.ranks.pop((worker, dp_rank), None)
+        if found is not None:
+            self.clear(found)
+            self._free.append(found.bit)
+            self._free.sort(reverse=True)  # the lowest bit first: masks stay small
+            self.version += 1
+
+    def apply(self, rank: Rank, events: Iterable[Event]) -> None:
+        for e in events:
+            if isinstance(e, Stored):
+                self.store(rank, e)
+            elif isinstance(e, Removed):
+                if e.medium in GPU and e.group in (None, 0):
+                    self.remove(rank, e.hashes)
+                else:
+                    self.counts.ignored += 1
+            elif isinstance(e, Cleared):
+                self.clear(rank)
+                self.counts.cleared += 1
+
+    def store(self, rank: Rank, e: Stored) -> None:
+        n = len(e.hashes)
+        if (
+            e.medium not in GPU
+            or e.group not in (None, 0)
+            or n == 0
+            or len(e.tokens) != n * e.block_size
+            or not isinstance(e.tokens[0], int)
+        ):
+            self.counts.ignored += 1
+            return
+        if e.parent is None:
+            parent, depth = root(e.lora), 0
+        else:
+            known = rank.blocks.get(e.parent)
+            if known is None:
+                rank.orphans += n
+                self.counts.orphans += n
+                return
+            parent, depth = known, self.entries[known] & DEPTH
+        if rank.block_size != e.block_size:
+            rank.block_size = e.block_size
+            self.version += 1  # lookups group ranks by block size
+        bit, entries = 1 << rank.bit, self.entries
+        for i, (h, key) in enumerate(
+            zip(e.hashes, chain(parent, depth, e.tokens, e.block_size), strict=True)
+        ):
+            if h in rank.blocks:
+                continue
+            if self.size >= self.capacity:
+                self.counts.dropped += n - i
+                return
+            rank.blocks[h] = key
+            held = entries.get(key, 0) >> DEPTH_BITS
+            entries[key] = (held | bit) << DEPTH_BITS | (depth + (i + 1) * e.block_size)
+            self.size += 1
+            self.counts.stored += 1
+
+    def remove(self, rank: Rank, hashes: Iterable[Hash]) -> None:
+        for h in hashes:
+            key = rank.blocks.pop(h, None)
+            if key is not None:
+                self._release(key, ~(1 << rank.bit))
+                self.size -= 1
+                self.counts.removed += 1
+
+    def clear(self, rank: Rank) -> None:
+        keep = ~(1 << rank.bit)
+        for key in rank.blocks.values():
+            self._release(key, keep)
+        self.size -= len(rank.blocks)
+        rank.blocks = {}
+        rank.orphans = 0
+
+    def _release(self, key: int, keep: int) -> None:
+        entry = self.entries[key]
+        held = (entry >> DEPTH_BITS) & keep
+        if held:
+            self.entries[key] = held << DEPTH_BITS | (entry & DEPTH)
+        else:
+            del self.entries[key]
+
+    def match(self, keys: Iterable[int], among: int) -> dict[int, int]:
+        """How many of the leading ``keys`` each rank of the mask ``among`` holds, by
+        rank bit (ranks holding none are left out): O(blocks matched)."""
+        held: dict[int, int] = {}
+        alive, entries = among, self.entries
+        depth = 0
+        for key in keys:
+            holders = (entries.get(key, 0) >> DEPTH_BITS) & alive
+            gone = alive & ~holders
+            if gone and depth:
+                while gone:
+                    low = gone & -gone
+                    held[low.bit_length() - 1] = depth
+                    gone ^= low
+            alive = holders
+            if not alive:
+                return held
+            depth += 1
+        while alive:
+            low = alive & -alive
+            held[low.bit_length() - 1] = depth
+            alive ^= low
+        return held

@@ -1,0 +1,63 @@
+"""``prefix``: the target whose engine holds most of the prompt, weighed against load.
+
+What each target holds comes from its engine's KV-cache events (``kvevents``), in
+``RequestInfo.prefix``: ``held`` of the prompt's ``tokens``, in leading blocks. Each
+target scores
+
+    score = prefix_weight x held / tokens x [load <= prefix_bound x (mean load + 1)]
+            - load_weight x load / (mean load + 1)
+            - token_weight x tokens / (mean tokens + prompt tokens + 1)
+
+where load is requests in flight and tokens the token load (the board's: the router's
+own count, or the engine's report when it knows of more), means over the candidates.
+The highest score wins; ties go to the first from a rotating start. The bound is what
+spreads a hot prefix: once its holder is loaded past the bound its prefix stops
+counting, the next request goes where load says, that rank stores the prefix too, and
+from then on the two share it by load -- so a prefix spreads over more ranks as their
+load grows instead of piling onto one. With nothing held it is load balancing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dprouter.policies.base import PolicyOptions, Readers, RequestInfo, first_least
+from dprouter.targets import Target
+
+
+class PrefixPolicy:
+    name = "prefix"
+    needs_tokens = True
+
+    def __init__(self, options: PolicyOptions) -> None:
+        self.weight = options.prefix_weight
+        self.bound = options.prefix_bound
+        self.load_weight = options.load_weight
+        self.token_weight = options.token_weight
+        self.start = 0
+        self.readers = Readers()
+        self._pool: Sequence[Target] | None = None
+        self._where: dict[str, int] = {}  # the pool's positions, by label
+
+    def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
+        self.start += 1
+        if len(targets) == 1:
+            return targets[0]
+        reader = self.readers.of(targets)
+        loads = reader.loads().astype(np.float64)
+        tokens = reader.tokens().astype(np.float64)
+        mean_load, mean_tokens = loads.mean(), tokens.mean()
+        score = -self.load_weight * loads / (mean_load + 1)
+        score -= self.token_weight * tokens / (mean_tokens + request.tokens + 1)
+        prefix = request.prefix
+        if prefix is not None and prefix.tokens and prefix.held and self.weight:
+            if targets is not self._pool:
+                self._pool, self._where = targets, {t.label: i for i, t in enumerate(targets)}
+            limit = self.bound * (mean_load + 1)
+            for label, held in prefix.held.items():
+                i = self._where.get(label)
+                if i is not None and loads[i] <= limit:
+                    score[i] += self.weight * held / prefix.tokens
+        return targets[first_least(-score, self.start)]

@@ -1,0 +1,165 @@
+"""The engines' KV-event frames decoded, and the index they build (no sockets here)."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from dprouter.kvevents import wire
+from dprouter.kvevents.index import KvIndex
+from dprouter.kvevents.keys import chain, prompt_keys, root
+from dprouter.kvevents.wire import Cleared, Removed, Stored
+
+TOKENS = list(range(1000, 1048))
+
+
+def pack(value: object) -> bytes:
+    return bytes(msgpack.packb(value))  # three blocks of 16
+
+
+def vllm_arrays() -> bytes:
+    """Older vLLM (msgspec array_like, tag first; trailing defaults omitted)."""
+    stored = ["BlockStored", [11, 12, 13], None, TOKENS, 16, None, "GPU", None]
+    return pack([1.5, [stored, ["BlockRemoved", [13], "GPU"]], 2])
+
+
+def vllm_maps() -> bytes:
+    """vLLM since mid-2026: the events are maps with a "type" key, so is the batch."""
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12, 13],
+        "parent_block_hash": None,
+        "token_ids": TOKENS,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    removed = {"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"}
+    return pack({"ts": 1.5, "events": [stored, removed], "data_parallel_rank": 2})
+
+
+def sglang() -> bytes:
+    """SGLang: one BlockStored per page, chained by parent hash; [ts, events, attn_dp_rank]."""
+    pages = [
+        ["BlockStored", [11], None, TOKENS[:16], 16, None],
+        ["BlockStored", [12], 11, TOKENS[16:32], 16, None],
+        ["BlockStored", [13], 12, TOKENS[32:], 16, None],
+        ["BlockRemoved", [13]],
+    ]
+    return pack([1.5, pages, 2])
+
+
+@pytest.mark.parametrize("payload", [vllm_arrays(), vllm_maps(), sglang()], ids=str)
+def test_every_encoding_builds_the_same_index(payload: bytes) -> None:
+    batch = wire.batch(payload)
+    assert (batch.ts, batch.rank) == (1.5, 2)
+    index = KvIndex()
+    rank = index.rank("w0", 2)
+    index.apply(rank, batch.events)
+    assert set(rank.blocks) == {11, 12}
+    keys = prompt_keys(np.array(TOKENS), 16)
+    assert index.match(keys, 1 << rank.bit) == {rank.bit: 2}
+    assert rank.block_size == 16 and index.size == 2
+
+
+def test_fields_the_router_does_not_use_are_ignored_and_unknown_kinds_skipped() -> None:
+    late = {
+        "type": "BlockStored",
+        "block_hashes": [b"\x01" * 32],  # hashes as bytes (ExternalBlockHash)
+        "parent_block_hash": None,
+        "token_ids": TOKENS[:16],
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None],
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+    batch = wire.batch(msgpack.packb({"ts": 0, "events": [late, {"type": "Future"}]}))
+    assert batch.rank is None
+    assert batch.events == [Stored([b"\x01" * 32], None, TOKENS[:16], 16, None, "GPU", 0)]
+    assert wire.batch(msgpack.packb([0, [["AllBlocksCleared"]]])).events == [Cleared()]
+
+
+@pytest.mark.parametrize(
+    "payload", [b"\xc1", msgpack.packb("x"), msgpack.packb([0, [["BlockStored", [1]]]])]
+)
+def test_garbage_is_a_bad_frame(payload: bytes) -> None:
+    with pytest.raises(wire.BadFrame):
+        wire.batch(payload)
+
+
+def test_sequence_numbers_and_the_replay_end() -> None:
+    assert wire.sequence((5).to_bytes(8, "big")) == 5
+    assert wire.sequence((-1).to_bytes(8, "big", signed=True)) == -1
+
+
+def test_keys_of_events_and_of_prompts_agree_in_python_and_numpy() -> None:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 150_000, 4000)
+    whole = prompt_keys(ids, 16)
+    assert chain(0, 0, ids.tolist(), 16) == whole
+    stepwise: list[int] = []
+    for start in range(0, 4000, 16):  # one small block at a time: the Python path
+        stepwise += chain(
+            stepwise[-1] if stepwise else 0, start, ids[start : start + 16].tolist(), 16
+        )
+    assert stepwise == whole
+    assert chain(whole[9], 160, ids[160:].tolist(), 16) == whole[10:]
+    assert prompt_keys(ids[:10], 16) == [] and len(set(whole)) == len(whole)
+    assert root(None) == root(0) == 0 and root("adapter") not in (0, root("other"))
+
+
+def test_shared_blocks_removal_clear_and_a_dropped_rank() -> None:
+    index = KvIndex()
+    a, b = index.rank("w0", 0), index.rank("w0", 1)
+    index.apply(a, [Stored([1, 2, 3], None, TOKENS, 16)])
+    index.apply(b, [Stored([7, 8], None, TOKENS[:32], 16)])  # another seed, same tokens
+    keys = prompt_keys(np.array(TOKENS + [5] * 16), 16)
+    both = 1 << a.bit | 1 << b.bit
+    assert index.match(keys, both) == {a.bit: 3, b.bit: 2}
+    assert index.match(keys, 1 << b.bit) == {b.bit: 2}
+    index.apply(a, [Removed([2])])  # a hole: only the leading run counts
+    assert index.match(keys, both) == {a.bit: 1, b.bit: 2}
+    index.apply(b, [Cleared()])
+    assert index.match(keys, both) == {a.bit: 1}
+    assert len(index.entries) == 2 and index.size == 2
+    index.drop("w0", 0)
+    assert index.entries == {} and index.size == 0 and index.match(keys, both) == {}
+    assert index.rank("w1", 0).bit == a.bit  # its bit is reused
+
+
+def test_children_chain_to_their_parent_and_orphans_wait() -> None:
+    index = KvIndex()
+    a = index.rank("w0", 0)
+    index.apply(a, [Stored([2], 1, TOKENS[16:32], 16)])  # parent 1 never seen
+    assert a.orphans == 1 and index.size == 0
+    index.apply(a, [Stored([1], None, TOKENS[:16], 16), Stored([2, 3], 1, TOKENS[16:], 16)])
+    keys = prompt_keys(np.array(TOKENS), 16)
+    assert index.match(keys, 1 << a.bit) == {a.bit: 3}
+
+
+def test_other_media_groups_and_adapters_do_not_count() -> None:
+    index = KvIndex()
+    a = index.rank("w0", 0)
+    index.apply(
+        a,
+        [
+            Stored([1], None, TOKENS[:16], 16, medium="CPU"),
+            Stored([2], None, TOKENS[:16], 16, group=1),
+            Stored([3], None, TOKENS[:16], 16, lora=5),
+        ],
+    )
+    assert index.counts.ignored == 2 and index.size == 1
+    assert index.match(prompt_keys(np.array(TOKENS), 16), 1 << a.bit) == {}
+
+
+def test_capacity_bounds_what_is_indexed() -> None:
+    index = KvIndex(capacity=2)
+    a = index.rank("w0", 0)
+    index.apply(a, [Stored([1, 2, 3], None, TOKENS, 16)])
+    assert index.size == 2 and index.counts.dropped == 1
+    assert index.match(prompt_keys(np.array(TOKENS), 16), 1 << a.bit) == {a.bit: 2}

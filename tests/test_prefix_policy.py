@@ -1,0 +1,110 @@
+"""``prefix``: exact choices over literal targets, literal loads and a literal index."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dprouter.kvevents.index import KvIndex
+from dprouter.kvevents.keys import prompt_keys
+from dprouter.kvevents.wire import Stored
+from dprouter.policies import PolicyOptions, Prefix, RequestInfo, make_policy, needs_tokens
+from dprouter.registry import Registry
+from dprouter.targets import Target, Worker
+
+
+def fleet(dp: int) -> tuple[Target, ...]:
+    registry = Registry()
+    w = registry.add(Worker(id="w0", url="http://127.0.0.1:9000", dialect="vllm"))
+    w.ranks = dp
+    registry.mark_ready(w)
+    return registry.snapshot.pool()
+
+
+def load(targets: tuple[Target, ...], *requests: int, tokens: tuple[int, ...] = ()) -> None:
+    for i, t in enumerate(targets):
+        t.outstanding = requests[i] if i < len(requests) else 0
+        t.outstanding_tokens = tokens[i] if i < len(tokens) else 0
+
+
+def picks(targets: tuple[Target, ...], info: RequestInfo, n: int, **options: float) -> list[str]:
+    policy = make_policy("prefix", PolicyOptions(**options))  # type: ignore[arg-type]
+    return [policy.select(targets, info).label for _ in range(n)]
+
+
+def test_it_asks_for_token_ids_and_the_others_do_not() -> None:
+    assert needs_tokens(make_policy("prefix"))
+    assert not needs_tokens(make_policy("least_load"))
+    assert not needs_tokens(make_policy("cache_aware"))
+
+
+def test_nothing_held_is_load_balancing_with_a_rotating_tie_break() -> None:
+    targets = fleet(4)
+    assert picks(targets, RequestInfo(), 5) == ["w0/1", "w0/2", "w0/3", "w0/0", "w0/1"]
+    load(targets, 2, 0, 1, 0)
+    assert picks(targets, RequestInfo(), 3) == ["w0/1", "w0/3", "w0/3"]  # from 1, 2, 3
+    assert picks(targets, RequestInfo(prefix=Prefix(8, {})), 2) == ["w0/1", "w0/3"]
+
+
+def test_the_holder_of_the_longest_prefix_wins_at_equal_load() -> None:
+    targets = fleet(4)
+    info = RequestInfo(prefix=Prefix(8, {"w0/2": 8, "w0/3": 5}))
+    assert picks(targets, info, 3) == ["w0/2", "w0/2", "w0/2"]
+
+
+def test_affinity_holds_within_the_formula_then_yields_to_load() -> None:
+    targets = fleet(4)
+    info = RequestInfo(prefix=Prefix(4, {"w0/0": 4}))
+    # loads 1,0,0,0: mean 0.25; w0/0 scores 1 - 1/1.25 = 0.2 > 0 -> kept
+    load(targets, 1)
+    assert picks(targets, info, 1) == ["w0/0"]
+    # loads 2,0,0,0: mean 0.5; 1 - 2/1.5 < 0 -> the idle ones
+    load(targets, 2)
+    assert picks(targets, info, 2) == ["w0/1", "w0/2"]
+    # a bigger prefix weight keeps it: 3 - 2/1.5 > 0
+    assert picks(targets, info, 1, prefix_weight=3.0) == ["w0/0"]
+
+
+def test_the_bound_spreads_a_hot_prefix_whatever_its_weight() -> None:
+    targets = fleet(4)
+    info = RequestInfo(prefix=Prefix(4, {"w0/0": 4, "w0/1": 4}))
+    # loads 4,3,0,0: mean 1.75; bound 1.5 x 2.75 = 4.125: both holders count
+    load(targets, 4, 3)
+    assert picks(targets, info, 1, prefix_weight=100.0) == ["w0/1"]
+    # loads 6,5,0,0: mean 2.75; bound 5.625: w0/0 (6) is past it, w0/1 (5) is not
+    load(targets, 6, 5)
+    assert picks(targets, info, 1, prefix_weight=100.0) == ["w0/1"]
+    # loads 7,7,0,0: mean 3.5; bound 6.75: neither counts -> the idle ranks take it
+    load(targets, 7, 7)
+    assert picks(targets, info, 3, prefix_weight=100.0) == ["w0/2", "w0/2", "w0/3"]
+
+
+def test_tokens_in_flight_weigh_against_the_prompt_size() -> None:
+    targets = fleet(2)
+    # equal requests; w0/0 holds 1,000 more tokens: 1000 / (500 + 100 + 1) away
+    load(targets, 1, 1, tokens=(1000, 0))
+    assert picks(targets, RequestInfo(tokens=100), 1) == ["w0/1"]
+    half = RequestInfo(tokens=100, prefix=Prefix(2, {"w0/0": 1}))
+    assert picks(targets, half, 1) == ["w0/1"]  # 0.5 - 1000/601 < 0
+    assert picks(targets, half, 1, token_weight=0.25) == ["w0/0"]  # 0.5 - 0.42 > 0
+
+
+def test_a_literal_index_feeds_the_choice() -> None:
+    targets = fleet(4)
+    index = KvIndex()
+    prompt = list(range(100, 164))  # 4 blocks of 16
+    index.apply(index.rank("w0", 1), [Stored([1, 2, 3, 4], None, prompt, 16)])
+    index.apply(index.rank("w0", 3), [Stored([9, 8], None, prompt[:32], 16)])
+    keys = prompt_keys(np.array([*prompt, 7, 7, 7]), 16)
+    among = sum(1 << index.ranks[("w0", r)].bit for r in (1, 3))
+    held = index.match(keys, among)
+    by_bit = {r.bit: f"{name}/{rank}" for (name, rank), r in index.ranks.items()}
+    prefix = Prefix(len(keys), {by_bit[bit]: n for bit, n in held.items()})
+    assert prefix == Prefix(4, {"w0/1": 4, "w0/3": 2})
+    assert picks(targets, RequestInfo(prefix=prefix), 2) == ["w0/1", "w0/1"]
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_one_target_is_the_answer(dp: int) -> None:
+    targets = fleet(dp)[:1]
+    assert picks(targets, RequestInfo(prefix=Prefix(1, {"x": 1})), 1) == [targets[0].label]
