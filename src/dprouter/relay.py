@@ -20,6 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from dprouter.drain import grace_over
+from dprouter.idle import take_over
 from dprouter.metrics import TargetSeries
 from dprouter.targets import Outstanding, Target
 
@@ -164,12 +165,15 @@ async def _stream(
     tail = b"\n\n"  # the last bytes written: an event boundary, or not
     first = True
     events = 0
+    idle = take_over(loop, upstream)  # the read timeout, kept for a clock read per read
     try:
         async for chunk in upstream.content.iter_any():
             if first:
                 series.first_byte.observe(loop.time() - started)
                 first = False
             await resp.write(chunk)
+            if idle is not None:  # counted from here: a slow client is not an idle engine
+                idle.touch()
             if watch is not None:
                 watch(chunk)
             tail = chunk[-2:] if len(chunk) > 1 else (tail + chunk)[-2:]
@@ -195,6 +199,9 @@ async def _stream(
             message = "the router stopped: its grace period ran out before this stream ended"
             await _last_words(resp, tail, sse_error(503, message))
         raise  # on, so that the engine is told (connection closed, SGLang aborted)
+    finally:
+        if idle is not None:
+            idle.stop()
     if counted is not None:
         counted.spend(max(events - 1, 0))  # the rest, less the closing [DONE]
     await resp.write_eof()
