@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from dprouter.sim.prefix import block_hashes
 from dprouter.sim.server import SimServer
 from dprouter.sim.vocab import write_tokenizer
 from dprouter.tokenizer import ModelTokenizer
-from tests.conftest import StartCluster, StartRouter, until
+from tests.conftest import StartCluster, StartRouter, metric_sum, until
 
 BLOCK = 16
 DP = 4
@@ -237,3 +238,55 @@ async def test_the_index_is_what_each_rank_holds(
     check_keys(feed, server, load.prompts)
     streams = [stream for stream, _ in feed.streams.values()]
     assert len(streams) == DP and not any(s.counts.bad or s.counts.restarts for s in streams)
+
+
+async def hits(http: aiohttp.ClientSession, server: SimServer, rank: int) -> float:
+    """The rank's prefix-cache hits as its engine reports them: vLLM's counter of cached
+    tokens, SGLang's hit rate."""
+    if server.config.persona == "vllm":
+        return await metric_sum(http, server.url, "vllm:prefix_cache_hits_total", engine=str(rank))
+    async with http.get(server.url + f"/v1/loads?dp_rank={rank}") as r:
+        (load,) = (await r.json())["loads"]
+    return float(load["cache_hit_rate"])
+
+
+@pytest.mark.parametrize("persona", PERSONAS)
+async def test_a_repeated_long_prompt_goes_to_the_rank_holding_it(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,
+    tok: ModelTokenizer,
+    persona: str,
+) -> None:
+    cluster = await start_cluster([engine(persona, tokenizer_dir)])
+    server = cluster[0]
+    router = await start_router(prefix_config(tokenizer_dir, spec(server)))
+    feed = feed_of(router)
+    docs = [words(7, 400), words(8, 400)]  # ~1,300 tokens each
+    holders: list[int] = []
+
+    def holds(ids: list[int], rank: int) -> bool:
+        return matched(feed, "w0", ids) == {rank: len(ids) // BLOCK}
+
+    for doc in docs:
+        holder = (await send(http, router.url, {"prompt": doc}))["rank"]
+        holders.append(holder)
+        assert await until(partial(holds, tok.encode(doc), holder))
+    assert holders[0] != holders[1]  # nothing held: the second went by load elsewhere
+    before = [await hits(http, server, r) for r in holders]
+    for i in range(3):
+        for doc, holder in zip(docs, holders, strict=True):
+            text = f"{doc} and then question {i}"
+            answer = await send(http, router.url, {"prompt": text})
+            assert answer["rank"] == holder
+            full = len(tok.encode(doc)) // BLOCK * BLOCK
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == full
+    after = [await hits(http, server, r) for r in holders]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    if persona == "vllm":  # in tokens: three hits of the whole document each
+        assert [a - b for a, b in zip(after, before, strict=True)] == [
+            3 * (len(tok.encode(doc)) // BLOCK * BLOCK) for doc in docs
+        ]
+    others = [r for r in range(DP) if r not in holders]
+    assert [await hits(http, server, r) for r in others] == [0, 0]
