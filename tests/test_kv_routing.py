@@ -290,3 +290,34 @@ async def test_a_repeated_long_prompt_goes_to_the_rank_holding_it(
         ]
     others = [r for r in range(DP) if r not in holders]
     assert [await hits(http, server, r) for r in others] == [0, 0]
+
+
+@pytest.mark.parametrize("persona", PERSONAS)
+async def test_a_restarted_engine_is_emptied_in_the_index(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,
+    tok: ModelTokenizer,
+    persona: str,
+) -> None:
+    """The engine restarts faster than health checks notice (they would drop the worker);
+    with no request since, its ranks publish nothing: the index must not keep what they
+    held, or the next prompt would go to a rank that no longer holds it."""
+    cluster = await start_cluster([engine(persona, tokenizer_dir)])
+    server = cluster[0]
+    router = await start_router(prefix_config(tokenizer_dir, spec(server)))
+    feed = feed_of(router)
+    for rank in range(DP):  # warmed by another client (another router replica, say)
+        await send(http, server.url, {"prompt": words(rank, 60)}, rank=rank)
+    assert await until(lambda: agrees(feed, server) and feed.index.size > 0)
+    await server.crash()
+    await server.start()
+    assert server.engine.ranks[0].cache.blocks() == []
+    assert await until(lambda: feed.index.size == 0), differences(feed, server)
+    assert not feed.index.entries
+    assert [s.counts.restarts for s, _ in feed.streams.values()] == [1] * DP
+    answer = await send(http, router.url, {"prompt": words(2, 60)})
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert await until(lambda: agrees(feed, server) and feed.index.size > 0)
+    assert {r for r in range(DP) if indexed(feed, "w0", r)} == {answer["rank"]}
