@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 
 from dprouter.app import Router
 from dprouter.config import RouterConfig, WorkerSpec
@@ -321,3 +323,162 @@ async def test_a_restarted_engine_is_emptied_in_the_index(
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert await until(lambda: agrees(feed, server) and feed.index.size > 0)
     assert {r for r in range(DP) if indexed(feed, "w0", r)} == {answer["rank"]}
+
+
+class LossyRelay:
+    """Between an engine's publishers and the router: one SUB -> PUB hop per rank, on
+    consecutive ports as an engine lays its publishers out, that can lose the next
+    batches of a rank on the way (a network that drops messages, the connection kept)."""
+
+    def __init__(self, upstream: list[str]) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.upstream = upstream
+        self.drop = [0] * len(upstream)  # batches still to lose, per rank
+        self.dropped = [0] * len(upstream)
+        self.subs: list[zmq.asyncio.Socket] = []
+        self.pubs: list[zmq.asyncio.Socket] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.endpoint = ""
+
+    async def __aenter__(self) -> LossyRelay:
+        rng = random.Random()
+        for _ in range(50):
+            base = rng.randrange(20_000, 60_000)
+            pubs = []
+            try:
+                for r in range(len(self.upstream)):
+                    pub = self.ctx.socket(zmq.PUB)
+                    pub.setsockopt(zmq.LINGER, 0)
+                    pubs.append(pub)
+                    pub.bind(f"tcp://127.0.0.1:{base + r}")
+            except zmq.ZMQError:
+                for pub in pubs:
+                    pub.close(0)
+                continue
+            self.pubs, self.endpoint = pubs, f"tcp://127.0.0.1:{base}"
+            break
+        else:
+            raise AssertionError("no free consecutive ports")
+        for r, endpoint in enumerate(self.upstream):
+            sub = self.ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint)
+            self.subs.append(sub)
+            self.tasks.append(asyncio.create_task(self._forward(r)))
+        return self
+
+    async def _forward(self, rank: int) -> None:
+        while True:
+            frames = await self.subs[rank].recv_multipart()
+            if self.drop[rank]:
+                self.drop[rank] -= 1
+                self.dropped[rank] += 1
+            else:
+                await self.pubs[rank].send_multipart(frames)
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("persona", PERSONAS)
+async def test_a_sequence_gap_is_replayed(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,
+    persona: str,
+) -> None:
+    cluster = await start_cluster([engine(persona, tokenizer_dir)])
+    server = cluster[0]
+    assert server.kv is not None
+    async with LossyRelay(server.kv.endpoints) as relay:
+        replay = server.kv.replay_endpoints[0]
+        worker = WorkerSpec(server.url, kv_events=relay.endpoint, kv_replay=replay)
+        router = await start_router(prefix_config(tokenizer_dir, worker))
+        feed = feed_of(router)
+        assert await until(lambda: ("w0", 2) in feed.streams)
+        stream = feed.streams[("w0", 2)][0]
+        prompts = iter(range(100, 200))
+        for _ in range(100):  # until batches come live through the relay (ZMQ's slow joiner)
+            await send(http, server.url, {"prompt": words(next(prompts), 40)}, rank=2)
+            if await until(lambda: stream.live >= 0, 0.2):
+                break
+        assert await until(lambda: agrees(feed, server))
+        replays, gaps = stream.counts.replays, stream.counts.gaps
+        relay.drop[2] = 2
+        for _ in range(2):
+            await send(http, server.url, {"prompt": words(next(prompts), 40)}, rank=2)
+        assert await until(lambda: relay.dropped[2] == 2)
+        await asyncio.sleep(0.1)  # the index could only have missed them: nothing else says
+        assert not agrees(feed, server) and reported(server, 2) > indexed(feed, "w0", 2)
+        await send(http, server.url, {"prompt": words(next(prompts), 40)}, rank=2)
+        assert await until(lambda: agrees(feed, server)), differences(feed, server)
+        assert (stream.counts.gaps, stream.counts.replays) == (gaps + 1, replays + 1)
+        assert stream.counts.restarts == 0 and stream.expected == server.kv.ranks[2].seq
+
+
+async def test_auto_finds_each_ranks_endpoints_from_kv_event_sources(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,
+    tok: ModelTokenizer,
+) -> None:
+    """``kv_events=auto``: vLLM's GET /kv_event_sources names each rank's PUB and replay
+    sockets (``tcp://*:P``: the worker's own host)."""
+    cluster = await start_cluster([engine("vllm", tokenizer_dir)])
+    server = cluster[0]
+    assert server.kv is not None
+    for rank in range(DP):  # before the router: only the replay can tell it
+        await send(http, server.url, {"prompt": words(rank, 40)}, rank=rank)
+    worker = WorkerSpec(server.url, kv_events="auto")
+    router = await start_router(prefix_config(tokenizer_dir, worker))
+    feed = feed_of(router)
+    assert await until(lambda: agrees(feed, server) and feed.index.size > 0)
+    streams = [feed.streams[("w0", r)][0] for r in range(DP)]
+    assert [s.endpoint for s in streams] == server.kv.endpoints
+    assert [s.replay_endpoint for s in streams] == server.kv.replay_endpoints
+    load = Workload(tok)
+    await mixed(http, router.url, load, 2)
+    assert await until(lambda: agrees(feed, server)), differences(feed, server)
+    check_keys(feed, server, load.prompts)
+
+
+@pytest.mark.parametrize("persona", PERSONAS)
+async def test_a_worker_added_through_the_admin_api_has_its_events_followed(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,
+    persona: str,
+) -> None:
+    cluster = await start_cluster([engine(persona, tokenizer_dir)])
+    server = cluster[0]
+    assert server.kv is not None
+    router = await start_router(prefix_config(tokenizer_dir, admin_token="t0ken"))
+    feed = feed_of(router)
+    assert not feed.streams
+    await send(http, server.url, {"prompt": words(1, 40)}, rank=1)  # held before it joins
+    auth = {"Authorization": "Bearer t0ken"}
+    body = {
+        "url": server.url,
+        "id": "late",
+        "kv_events": server.kv.endpoints[0],
+        "kv_replay": server.kv.replay_endpoints[0],
+    }
+    async with http.post(router.url + "/workers?wait=5", json=body, headers=auth) as r:
+        assert r.status == 201, await r.text()
+    assert await until(lambda: sorted(feed.streams) == [("late", r) for r in range(DP)])
+    assert await until(lambda: agrees(feed, server, "late") and feed.index.size > 0)
+    answer = await send(http, router.url, {"prompt": words(1, 40) + " again"})
+    assert answer["rank"] == 1 and answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    await send(http, router.url, {"prompt": words(2, 40)})
+    assert await until(lambda: agrees(feed, server, "late")), differences(feed, server, "late")
+    async with http.delete(router.url + "/workers/late", headers=auth) as r:
+        assert r.status == 200
+    assert await until(lambda: not feed.streams and feed.index.size == 0)
+    assert not feed.index.ranks
