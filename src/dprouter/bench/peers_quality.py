@@ -81,6 +81,13 @@ PREFIX_RUNS = (
     Run("dprouter, cache_aware", "dprouter", ("--policy", "cache_aware")),
     Run("dprouter, consistent_hash", "dprouter", ("--policy", "consistent_hash")),
     Run("dprouter, prefix", "dprouter", ("--policy", "prefix"), events=True),
+    # a held prefix worth four times the default: sessions keep their rank against load
+    Run(
+        "dprouter, prefix, --prefix-weight 4",
+        "dprouter",
+        ("--policy", "prefix", "--prefix-weight", "4"),
+        events=True,
+    ),
     Run("SGLang gateway --dp-aware, cache_aware", "sglang-gateway", ("cache_aware", "dp-aware")),
     Run("vllm-router DP4, cache_aware", "vllm-router", ("cache_aware",)),
 )
@@ -188,6 +195,7 @@ QUICK = {
     "dprouter, least_load, --processes 2",
     "dprouter, cache_aware",
     "dprouter, prefix",
+    "dprouter, prefix, --prefix-weight 4",
     "SGLang gateway --dp-aware, manual",
     "SGLang gateway --dp-aware, cache_aware",
     "vllm-router DP4, consistent_hash",
