@@ -3,8 +3,11 @@ vllm-router; routing quality of scenarios 2 and 3, side by side, over real HTTP.
 
 The simulated engines run in this process (their step times and caches are
 read directly), compressed in time; each router runs in its own process.
-Closed-loop sessions send token-id prompts with every session header the
-routers know (``X-SMG-Routing-Key``, ``X-Session-ID``).
+Closed-loop sessions send text prompts with every session header the
+routers know (``X-SMG-Routing-Key``, ``X-Session-ID``). The chat engines tokenise
+with real tokenizer files, written once per run, and publish their KV-cache events,
+which dprouter's ``prefix`` run subscribes to; every chat row runs on that same
+engine config.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from tokenizers import Tokenizer
 
 from dprouter.bench import peers
 from dprouter.bench.plots import bars
@@ -25,6 +30,9 @@ from dprouter.bench.procs import DPROUTER, Proc, url_in
 from dprouter.bench.results import Cell, Result, Table
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import CostModel, EngineConfig, RankLimits
+from dprouter.sim.kvevents import KvEventsConfig
+from dprouter.sim.server import SimServer
+from dprouter.sim.vocab import write_tokenizer
 
 SCALE = 0.25  # wall seconds per simulated second
 # rollout workloads per run, each on a fresh cluster, by --quick: their rank balance swings
@@ -42,6 +50,10 @@ ROLLOUT_ENGINE = EngineConfig(
     ),
     limits=RankLimits(max_running=4),
 )
+# the chat engines' KV events: each engine's ranks on free ports, with a replay socket
+CHAT_EVENTS = KvEventsConfig(
+    enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,7 @@ class Run:
     name: str
     kind: str  # dprouter, sglang-gateway, vllm-router
     args: tuple[str, ...]
+    events: bool = False  # dprouter subscribes to the engines' KV events, with their tokenizer
 
 
 TWO = ("--processes", "2")
@@ -67,17 +80,27 @@ PREFIX_RUNS = (
     Run("dprouter, round_robin", "dprouter", ("--policy", "round_robin")),
     Run("dprouter, cache_aware", "dprouter", ("--policy", "cache_aware")),
     Run("dprouter, consistent_hash", "dprouter", ("--policy", "consistent_hash")),
+    Run("dprouter, prefix", "dprouter", ("--policy", "prefix"), events=True),
+    # a held prefix worth four times the default: sessions keep their rank against load
+    Run(
+        "dprouter, prefix, --prefix-weight 4",
+        "dprouter",
+        ("--policy", "prefix", "--prefix-weight", "4"),
+        events=True,
+    ),
     Run("SGLang gateway --dp-aware, cache_aware", "sglang-gateway", ("cache_aware", "dp-aware")),
     Run("vllm-router DP4, cache_aware", "vllm-router", ("cache_aware",)),
 )
 
 
-async def start(run: Run, urls: Sequence[str], dp: int) -> tuple[Proc, str]:
+async def start(run: Run, servers: Sequence[SimServer], engine: EngineConfig) -> tuple[Proc, str]:
+    urls = [s.url for s in servers]
+    dp = engine.dp_size
     if run.kind != "dprouter":
         return await peers.start_on_free_port(
             lambda port: peers.router(
                 run.kind,
-                list(urls),
+                urls,
                 port,
                 policy=run.args[0],
                 dp_size=dp,
@@ -86,22 +109,58 @@ async def start(run: Run, urls: Sequence[str], dp: int) -> tuple[Proc, str]:
             90,
             model="sim-model",
         )
-    workers = (a for u in urls for a in ("--worker", u))
-    proc = Proc([*DPROUTER, "serve", *workers, "--port", "0", "--load-interval", "0.5", *run.args])
+    options = [""] * len(servers)
+    tokenizer: list[str] = []
+    if run.events:
+        if engine.tokenizer is None or any(s.kv is None for s in servers):
+            raise ValueError(f"{run.name}: the engines publish no KV events or have no tokenizer")
+        options = [_events_option(s) for s in servers]
+        tokenizer = ["--tokenizer", engine.tokenizer]
+    workers = (a for u, o in zip(urls, options, strict=True) for a in ("--worker", u + o))
+    proc = Proc(
+        [
+            *DPROUTER,
+            "serve",
+            *workers,
+            *tokenizer,
+            "--port",
+            "0",
+            "--load-interval",
+            "0.5",
+            *run.args,
+        ]
+    )
     url = url_in(await proc.start(r"dprouter on http://"))
     await peers.until_serving(url, 90, model="sim-model", proc=proc)
     return proc, url
 
 
+def _events_option(server: SimServer) -> str:
+    """``,kv_events=...,kv_replay=...`` for a worker: rank 0's endpoints; rank r publishes
+    at port + r, as the engines do (the simulator picks a base where all are free)."""
+    assert server.kv is not None
+    option = f",kv_events={server.kv.endpoints[0]}"
+    replay = server.kv.replay_endpoints[0]
+    return option + (f",kv_replay={replay}" if replay is not None else "")
+
+
 async def sessions(
-    url: str, count: int, turns: int, system: int, decode: tuple[int, int], shared: int, seed: int
+    url: str,
+    count: int,
+    turns: int,
+    system: int,
+    decode: tuple[int, int],
+    shared: int,
+    seed: int,
+    per_word: float = 1.0,
 ) -> list[float]:
     """Closed-loop sessions; returns each turn's latency in simulated seconds. Prompts are
-    text of one-token words (token-id prompts are not accepted by every router)."""
+    text of random words (token-id prompts are not accepted by every router); sizes are
+    in tokens, a word costing ``per_word`` of them (1 by the simulator's built-in rule)."""
     rng = random.Random(seed)
 
-    def words(n: int) -> list[str]:
-        return [f"w{rng.getrandbits(20)}" for _ in range(n)]
+    def words(tokens: int) -> list[str]:
+        return [f"w{rng.getrandbits(20)}" for _ in range(max(1, round(tokens / per_word)))]
 
     systems = [words(system) for _ in range(max(shared, 1))]
     latencies: list[float] = []
@@ -135,6 +194,8 @@ QUICK = {
     "dprouter, least_load",
     "dprouter, least_load, --processes 2",
     "dprouter, cache_aware",
+    "dprouter, prefix",
+    "dprouter, prefix, --prefix-weight 4",
     "SGLang gateway --dp-aware, manual",
     "SGLang gateway --dp-aware, cache_aware",
     "vllm-router DP4, consistent_hash",
@@ -186,7 +247,7 @@ async def _once(
 ) -> tuple[dict[str, float], list[float]] | None:
     """One run on a fresh cluster: its engine-side figures and its turn latencies."""
     async with SimCluster([replace(engine, time_scale=SCALE)] * engines) as cluster:
-        proc, url = await start(run, cluster.urls, engine.dp_size)
+        proc, url = await start(run, cluster.servers, engine)
         try:
             latencies = await sessions(url, **workload, seed=seed)
         except RuntimeError as exc:
@@ -204,6 +265,16 @@ async def _once(
             "rank_max_over_mean": max(busy) / statistics.mean(busy),
             "hit_rate": sum(r.stats.prefix_hits for r in ranks) / max(queries, 1),
         }, latencies
+
+
+def tokens_per_word(directory: Path) -> float:
+    """What one of the sessions' words costs with the tokenizer in ``directory``: a
+    byte-level BPE splits ``w123456`` into several tokens (about 4.7 with the
+    simulator's own files), where the built-in rule counts one."""
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    rng = random.Random(0)
+    sample = " ".join(f"w{rng.getrandbits(20)}" for _ in range(2000))
+    return len(tokenizer.encode(sample, add_special_tokens=False).ids) / 2000
 
 
 def run(quick: bool, out: Path) -> Result:
@@ -224,23 +295,32 @@ def run(quick: bool, out: Path) -> Result:
             SEEDS[quick],
         )
     )
-    chat_engine = EngineConfig(persona="sglang", dp_size=4, limits=RankLimits(max_running=32))
-    chats = asyncio.run(
-        measure(
-            PREFIX_RUNS,
-            chat_engine,
-            2 if quick else 4,
-            {
-                "count": 48 if quick else 120,
-                "turns": 3,
-                "system": 1500,
-                "decode": (120, 400),
-                "shared": 8,
-            },
-            quick,
-            1,
+    with tempfile.TemporaryDirectory(prefix="dprouter-peers-") as files:
+        tokenizer = write_tokenizer(Path(files))
+        chat_engine = EngineConfig(
+            persona="sglang",
+            dp_size=4,
+            limits=RankLimits(max_running=32),
+            tokenizer=str(tokenizer),
+            kv_events=CHAT_EVENTS,
         )
-    )
+        chats = asyncio.run(
+            measure(
+                PREFIX_RUNS,
+                chat_engine,
+                2 if quick else 4,
+                {
+                    "count": 48 if quick else 120,
+                    "turns": 3,
+                    "system": 1500,
+                    "decode": (120, 400),
+                    "shared": 8,
+                    "per_word": tokens_per_word(tokenizer),
+                },
+                quick,
+                1,
+            )
+        )
     rows: list[list[Cell]] = []
     for name, m in rollouts.items():
         rows.append(
@@ -263,9 +343,9 @@ def run(quick: bool, out: Path) -> Result:
         [
             name,
             *(
-                _row(m, ("hit_rate", "latency_p50", "latency_p99"))
+                [*_row(m, ("hit_rate", "latency_p50", "latency_p99")), _balance(m)]
                 if "failed" not in m
-                else ["failed"] * 3
+                else ["failed"] * 4
             ),
         ]
         for name, m in chats.items()
@@ -299,7 +379,9 @@ def run(quick: bool, out: Path) -> Result:
             "running per rank), closed-loop sessions with long log-normal decodes, each turn "
             "sent with max_tokens at the cap and ending where the engine stops (a simulated "
             "end of sequence), as rollouts run; "
-            "chat: SGLang engines x DP4, 8 shared system prompts, 3 turns. Step: mean "
+            "chat: SGLang engines x DP4 tokenising with the simulator's byte-level BPE files "
+            "and publishing KV events (dprouter's prefix run subscribes, with the same "
+            "tokenizer), 8 shared 1,500-token system prompts, 3 turns. Step: mean "
             "forward step of the engines; busiest/mean: ranks' busy time; latency per turn "
             f"in simulated seconds. Each rollout run {SEEDS[quick]} time(s), one seeded workload "
             "each on a fresh cluster: means, busiest/mean with its range, latencies pooled. "
@@ -323,7 +405,7 @@ def run(quick: bool, out: Path) -> Result:
                 "rollouts (scenario 2 over HTTP)",
             ),
             Table(
-                ["router", "hit rate", "turn p50 s", "turn p99 s"],
+                ["router", "hit rate", "turn p50 s", "turn p99 s", "busiest / mean rank"],
                 prefix_rows,
                 "multi-turn chat (scenario 3 over HTTP)",
             ),
