@@ -90,7 +90,9 @@ def router(
     policy: str = "round_robin",
     dp_size: int = 1,
     dp_aware: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> Proc:
+    """``extra``: more of the peer's own flags (e.g. smg's ``--dp-minimum-tokens-scheduler``)."""
     metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     common = [
         "--host",
@@ -105,11 +107,13 @@ def router(
     ]
     if kind in GATEWAYS:
         return Proc(
-            [str(binary(kind)), "launch", *common, *(["--dp-aware"] if dp_aware else [])], cpus=cpus
+            [str(binary(kind)), "launch", *common, *(["--dp-aware"] if dp_aware else []), *extra],
+            cpus=cpus,
         )
-    extra = ["--intra-node-data-parallel-size", str(dp_size)] if dp_size > 1 else []
+    flags = ["--intra-node-data-parallel-size", str(dp_size)] if dp_size > 1 else []
     return Proc(
-        [str(binary(kind)), *common, *extra, "--worker-startup-check-interval", "1"], cpus=cpus
+        [str(binary(kind)), *common, *flags, *extra, "--worker-startup-check-interval", "1"],
+        cpus=cpus,
     )
 
 

@@ -1,5 +1,6 @@
-"""Scenario 4, peers: the same simulated cluster behind dprouter, the SGLang gateway and
-vllm-router; routing quality of scenarios 2 and 3, side by side, over real HTTP.
+"""Scenario 4, peers: the same simulated cluster behind dprouter, the SGLang gateway (smg
+1.13.0 and its January build 0.3.2) and vllm-router; routing quality of scenarios 2 and
+3, side by side, over real HTTP.
 
 The simulated engines run in this process (their step times and caches are
 read directly), compressed in time; each router runs in its own process.
@@ -59,7 +60,7 @@ CHAT_EVENTS = KvEventsConfig(
 @dataclass(frozen=True)
 class Run:
     name: str
-    kind: str  # dprouter, sglang-gateway, vllm-router
+    kind: str  # dprouter, or a peer's kind: smg, sglang-gateway, vllm-router
     args: tuple[str, ...]
     events: bool = False  # dprouter subscribes to the engines' KV events, with their tokenizer
 
@@ -72,8 +73,15 @@ ROLLOUT_RUNS = (
     Run("dprouter, least_load", "dprouter", ("--policy", "least_load")),
     Run("dprouter, min_tokens, --processes 2", "dprouter", ("--policy", "min_tokens", *TWO)),
     Run("dprouter, least_load, --processes 2", "dprouter", ("--policy", "least_load", *TWO)),
-    Run("SGLang gateway --dp-aware, manual", "sglang-gateway", ("manual", "dp-aware")),
-    Run("SGLang gateway, manual (not DP-aware)", "sglang-gateway", ("manual",)),
+    Run("smg 1.13.0 --dp-aware, manual", "smg", ("manual", "dp-aware")),
+    # smg's own minimum-tokens scheduler over the DP ranks: its answer to the DP-attention case
+    Run(
+        "smg 1.13.0 --dp-aware, least_load, min tokens",
+        "smg",
+        ("least_load", "dp-aware", "--dp-minimum-tokens-scheduler"),
+    ),
+    Run("SGLang gateway 0.3.2 --dp-aware, manual", "sglang-gateway", ("manual", "dp-aware")),
+    Run("SGLang gateway 0.3.2, manual (not DP-aware)", "sglang-gateway", ("manual",)),
     Run("vllm-router DP4, consistent_hash", "vllm-router", ("consistent_hash",)),
 )
 PREFIX_RUNS = (
@@ -88,7 +96,13 @@ PREFIX_RUNS = (
         ("--policy", "prefix", "--prefix-weight", "4"),
         events=True,
     ),
-    Run("SGLang gateway --dp-aware, cache_aware", "sglang-gateway", ("cache_aware", "dp-aware")),
+    Run("smg 1.13.0 --dp-aware, cache_aware", "smg", ("cache_aware", "dp-aware")),
+    Run("smg 1.13.0 --dp-aware, prefix_hash", "smg", ("prefix_hash", "dp-aware")),
+    Run(
+        "SGLang gateway 0.3.2 --dp-aware, cache_aware",
+        "sglang-gateway",
+        ("cache_aware", "dp-aware"),
+    ),
     Run("vllm-router DP4, cache_aware", "vllm-router", ("cache_aware",)),
 )
 
@@ -105,6 +119,7 @@ async def start(run: Run, servers: Sequence[SimServer], engine: EngineConfig) ->
                 policy=run.args[0],
                 dp_size=dp,
                 dp_aware="dp-aware" in run.args,
+                extra=tuple(a for a in run.args[1:] if a.startswith("--")),
             ),
             90,
             model="sim-model",
@@ -196,8 +211,10 @@ QUICK = {
     "dprouter, cache_aware",
     "dprouter, prefix",
     "dprouter, prefix, --prefix-weight 4",
-    "SGLang gateway --dp-aware, manual",
-    "SGLang gateway --dp-aware, cache_aware",
+    "smg 1.13.0 --dp-aware, manual",
+    "smg 1.13.0 --dp-aware, cache_aware",
+    "SGLang gateway 0.3.2 --dp-aware, manual",
+    "SGLang gateway 0.3.2 --dp-aware, cache_aware",
     "vllm-router DP4, consistent_hash",
     "vllm-router DP4, cache_aware",
 }
