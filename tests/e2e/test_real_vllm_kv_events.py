@@ -20,9 +20,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from dprouter.config import RouterConfig, WorkerSpec
 from dprouter.tokenizer import ModelTokenizer
 from e2e import vllm_server
+from tests.conftest import StartRouter, until
 from tests.e2e.conftest import SUMMARY
+from tests.e2e.test_real_vllm import engine_counts, settle_counts
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.timeout(600)]
 MODEL = "tiny-kv"
@@ -44,11 +47,12 @@ WORDS = [
 class KvVllm(vllm_server.VllmServer):
     """The tiny model with prefix caching and a ZMQ KV-event publisher per rank."""
 
-    def __init__(self, port: int, events_port: int) -> None:
+    def __init__(self, port: int, events_port: int, replay_port: int) -> None:
         config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
             "topic": "kv",
         }
         extra = (
@@ -66,7 +70,8 @@ class KvVllm(vllm_server.VllmServer):
 def vllm_kv() -> Iterator[KvVllm]:
     port = vllm_server.free_port()
     events = vllm_server.free_port(2, avoid=range(port, port + 1))
-    with KvVllm(port, events) as server:
+    replay = vllm_server.free_port(2, avoid=range(events, events + 2))
+    with KvVllm(port, events, replay) as server:
         server.wait_ready()
         yield server
 
@@ -146,3 +151,66 @@ async def test_a_ranks_events_carry_the_prompts_blocks(
         for sub in subs:
             sub.close(linger=0)
         context.term()
+
+
+async def send(
+    http: aiohttp.ClientSession, url: str, prompt: str, headers: dict[str, str] | None = None
+) -> str | None:
+    """One completion; the target the router chose (None: sent to the engine directly)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    async with http.post(url + "/v1/completions", json=body, headers=headers or {}) as r:
+        assert r.status == 200, await r.text()
+        return r.headers.get("x-dprouter-target")
+
+
+async def test_prefix_routing_on_the_engines_own_events(
+    vllm_kv: KvVllm,
+    model_tokenizer: ModelTokenizer,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Rank 1 caches a prompt before the router exists (the router learns it by replay);
+    then a prompt the router sends itself. Each follow-up sharing a long prefix goes to
+    the rank that holds it, and that rank's engine counts the cached tokens."""
+    early = long_prompt(240, 4)
+    await send(http, vllm_kv.url, early, {"X-data-parallel-rank": "1"})
+    spec = WorkerSpec(vllm_kv.url, kv_events="auto")  # endpoints from /kv_event_sources
+    config = RouterConfig(
+        workers=(spec,), policy="prefix", tokenizers=(str(vllm_server.model_dir()),)
+    )
+    router = await start_router(config)
+    feed = router.parts.feed
+    assert feed is not None
+    index = feed.index
+
+    def blocks(rank: int) -> int:
+        found = index.ranks.get(("w0", rank))
+        return 0 if found is None else len(found.blocks)
+
+    early_blocks = len(model_tokenizer.encode(early)) // BLOCK
+    assert await until(lambda: blocks(1) >= early_blocks, 30), blocks(1)  # the join replay
+    metric = "vllm:prefix_cache_hits_total"
+    before = await engine_counts(http, vllm_kv.url, metric)
+    assert await send(http, router.url, early + " and one more question?") == "w0/1"
+    after = await settle_counts(http, vllm_kv.url, metric, sum(before.values()) + 1)
+    hit0 = after["1"] - before["1"]
+    assert hit0 >= early_blocks * BLOCK, (before, after)
+
+    late = long_prompt(240, 5)
+    held = {r: blocks(r) for r in (0, 1)}
+    first = await send(http, router.url, late)
+    assert first is not None
+    rank = int(first.split("/")[1])
+    late_blocks = len(model_tokenizer.encode(late)) // BLOCK
+    assert await until(lambda: blocks(rank) >= held[rank] + late_blocks, 30), blocks(rank)
+    before = await engine_counts(http, vllm_kv.url, metric)
+    again = [await send(http, router.url, late + f" question {i}?") for i in range(3)]
+    after = await settle_counts(http, vllm_kv.url, metric, sum(before.values()) + 1)
+    hits = after[str(rank)] - before[str(rank)]
+    SUMMARY.append(
+        f"prefix policy on KV events: replayed {early_blocks} blocks of rank 1, "
+        f"hit {hit0} tokens there; a new prompt on {first}, its follow-ups on {again}, "
+        f"{hits} cached tokens hit"
+    )
+    assert again == [first] * 3
+    assert hits >= 3 * late_blocks * BLOCK - BLOCK
