@@ -149,8 +149,30 @@ def test_cache_aware_follows_the_prefix_until_load_says_no() -> None:
     home.outstanding = 1
     fresh = ca.select(targets, RequestInfo(text="an unrelated prompt " * 10))
     assert fresh.load == 0  # no affinity: the least loaded
-    home.outstanding = 40  # > 32 above the idlest and > 1.5x: affinity yields
-    assert ca.select(targets, RequestInfo(text=system + "question three")) is not home
+    home.outstanding = 2  # the pool's mean is 0.5: 2 <= 1.5 x (0.5 + 1), affinity holds
+    assert ca.select(targets, RequestInfo(text=system + "question three")) is home
+    home.outstanding = 3  # mean 0.75: 3 > 1.5 x 1.75, it yields to the least loaded...
+    other = ca.select(targets, RequestInfo(text=system + "question four"))
+    assert other is not home and other.load == 0
+    # ...which holds the prefix from then on: the two share it by load
+    other.outstanding = 1
+    third = ca.select(targets, RequestInfo(text=system + "question five"))
+    assert third is other
+
+
+def test_cache_aware_spreads_a_hot_prefix_as_load_grows() -> None:
+    """The issue's shape: one shared system prompt, 64 requests held open at once on 16
+    ranks. The old rule (32 over the idlest and 1.5x) put 33 of them on one rank."""
+    _, targets = fleet(4, 4, 4, 4)
+    ca = make_policy("cache_aware")
+    system = "You are a careful assistant. " * 400
+    for i in range(64):
+        chosen = ca.select(targets, RequestInfo(text=f"{system} question {i}"))
+        chosen.outstanding += 1
+    loads = sorted(t.load for t in targets)
+    # every holder was within the bound when chosen: at most 1.5 x (63 / 16 + 1) = 7.4, + 1
+    assert loads[-1] == 8
+    assert sum(1 for load in loads if load) >= 8  # spread over many ranks, not piled on one
 
 
 def test_min_tokens_balances_tokens_across_ranks() -> None:

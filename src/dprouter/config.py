@@ -62,6 +62,8 @@ class RouterConfig:
     seed: int = 0
     key_ttl: float = 3600.0
     session_bound: float = 1.5  # manual: a key leaves a target at bound x mean load + 2; 0: never
+    cache_threshold: float = 0.5  # cache_aware: least share of the prompt a match must cover
+    cache_bound: float = 1.5  # cache_aware: affinity holds while load <= bound x (mean + 1)
     max_body: int = 32 << 20
     backlog: int = 4096
     attempts: int = 3  # tries per request before the first byte, each on another target
@@ -134,6 +136,8 @@ class RouterConfig:
             assignment=self.assignment or "random",  # type: ignore[arg-type]
             key_ttl=self.key_ttl,
             session_bound=self.session_bound,
+            cache_threshold=self.cache_threshold,
+            cache_bound=self.cache_bound,
             prefix_weight=self.prefix_weight,
             prefix_bound=self.prefix_bound,
             load_weight=self.load_weight,
@@ -226,6 +230,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         "read_timeout",
         "key_ttl",
         "session_bound",
+        "cache_bound",
         "startup_timeout",
     ):
         if getattr(config, name) < 0:
@@ -234,6 +239,8 @@ def validate(config: RouterConfig) -> RouterConfig:
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
     check_prefix(config)
+    if not 0 <= config.cache_threshold <= 1:
+        raise ConfigError(f"cache_threshold must be in [0, 1], got {config.cache_threshold}")
     if config.health_failures < 1 or config.health_successes < 1:
         raise ConfigError("health_failures and health_successes must be at least 1")
     for name in ("prefill_policy", "decode_policy"):

@@ -199,6 +199,20 @@ def make_config(
     help="prefix: blocks the KV-event index holds at most, over all ranks (~200 B each).",
 )
 @click.option(
+    "--cache-threshold",
+    type=click.FloatRange(0, 1),
+    default=0.5,
+    show_default=True,
+    help="cache_aware: least share of the prompt a target's remembered prefix must cover.",
+)
+@click.option(
+    "--cache-bound",
+    type=click.FloatRange(min=0),
+    default=1.5,
+    show_default=True,
+    help="cache_aware: affinity holds while the target's load <= this x (mean load + 1).",
+)
+@click.option(
     "--prefix-weight",
     type=click.FloatRange(min=0),
     default=1.0,

@@ -47,8 +47,8 @@ class PolicyOptions:
     key_ttl: float = 3600.0  # manual: an idle key is forgotten after this many seconds
     session_bound: float = 1.5  # manual: a key leaves a target loaded past bound x mean + 2
     cache_threshold: float = 0.5  # cache_aware: least prefix share that keeps affinity
-    balance_abs: int = 32  # cache_aware: load gap that triggers balancing...
-    balance_rel: float = 1.5  # ...when the busiest also has this many times the least
+    cache_bound: float = 1.5  # cache_aware: affinity holds while the holder's load is at
+    # most bound x (the pool's mean load + 1)
     prefix_weight: float = 1.0  # prefix: worth of holding the whole prompt...
     prefix_bound: float = 1.5  # ...counted while the target's load <= bound x (mean + 1)
     load_weight: float = 1.0  # prefix: cost of requests in flight, relative to the mean
