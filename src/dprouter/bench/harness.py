@@ -71,13 +71,16 @@ class SimRouter:
         known = arrival.limit is None or self.oracle
         output = arrival.max_tokens if known else self.output.budget(arrival.limit)
         tokens = len(arrival.prompt_ids) + output
-        prefix = None
+        found = None
         if self.feed is not None:
-            prefix = self.feed.prefix(self.pool, arrival.prompt_ids, cluster.now)
+            found = self.feed.prefix(self.pool, arrival.prompt_ids, cluster.now)
+        prefix = found.prefix if found is not None else None
         info = RequestInfo(
             key=arrival.key, text=text, tokens=tokens, now=cluster.now, prefix=prefix
         )
         target: Target = self.policy.select(self.pool, info)
+        if found is not None and self.feed is not None:
+            self.feed.sent(found, target, cluster.now)  # as the router's request path
         guard = Outstanding(target, tokens, output)
         guard.__enter__()
         self.held[id(arrival)] = guard

@@ -5,7 +5,9 @@ cleared; at the end of every step the journal is encoded as the engine publishes
 (vLLM's wire format), and ``delay`` virtual seconds later it is decoded and applied to
 a ``KvIndex`` -- so the index is what the events say, a little late, never a peek at
 the caches. A lookup then gives ``RequestInfo.prefix`` as the router's request path
-does, from the prompt's token ids (offline arrivals carry them: no tokenizer).
+does, from the prompt's token ids (offline arrivals carry them: no tokenizer), with the
+same ``Matcher``; and the blocks of the prompt routed are pending on its target after
+the decision, as the router's request path records them.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ import numpy as np
 
 from dprouter.kvevents import wire
 from dprouter.kvevents.index import KvIndex
-from dprouter.kvevents.keys import prompt_keys
-from dprouter.policies import Prefix
+from dprouter.kvevents.lookup import Found, Matcher
 from dprouter.sim.kvevents import encode_batch
 from dprouter.sim.rank import Rank
 from dprouter.targets import Target
@@ -33,8 +34,7 @@ class SimKvFeed:
         self.index = KvIndex()
         self.batches = 0
         self._queue: deque[tuple[float, str, int, bytes]] = deque()  # in due order
-        self._ranks: tuple[Sequence[Target] | None, int, dict[int, tuple[int, dict[int, str]]]]
-        self._ranks = (None, -1, {})
+        self.matcher = Matcher(self.index)
 
     def collect(self, engine: int, ranks: Sequence[Rank], now: float) -> None:
         """Take what the ranks' caches recorded: one batch per rank with news."""
@@ -51,30 +51,14 @@ class SimKvFeed:
             index.apply(index.rank(worker, dp_rank), wire.batch(payload).events)
             self.batches += 1
 
-    def prefix(self, pool: Sequence[Target], ids: Sequence[int], now: float) -> Prefix | None:
-        """What each target of ``pool`` holds of the prompt (``kvevents.lookup``'s
-        ``Lookup.prefix``, without the tokenising)."""
+    def prefix(self, pool: Sequence[Target], ids: Sequence[int], now: float) -> Found | None:
+        """What each target of ``pool`` holds or has pending of the prompt, as the router's
+        ``Lookup.find`` gives it (without the tokenising)."""
         self.deliver(now)
-        ranks = self._by_block_size(pool)
-        if not ranks or not ids:
+        if not ids or not self.matcher.ranks(pool).groups:
             return None
-        array = np.asarray(ids, dtype=np.int64)
-        held: dict[str, int] = {}
-        for size, (among, labels) in ranks.items():
-            for bit, blocks in self.index.match(prompt_keys(array, size), among).items():
-                held[labels[bit]] = blocks * size
-        return Prefix(len(ids), held)
+        return self.matcher.match(pool, np.asarray(ids, dtype=np.int64), now)
 
-    def _by_block_size(self, pool: Sequence[Target]) -> dict[int, tuple[int, dict[int, str]]]:
-        kept, version, found = self._ranks
-        if kept is pool and version == self.index.version:
-            return found
-        found = {}
-        for t in pool:
-            rank = self.index.ranks.get((t.worker.id, t.rank or 0))
-            if rank is not None and rank.block_size:
-                mask, labels = found.get(rank.block_size, (0, {}))
-                labels[rank.bit] = t.label
-                found[rank.block_size] = (mask | 1 << rank.bit, labels)
-        self._ranks = (pool, self.index.version, found)
-        return found
+    def sent(self, found: Found, target: Target, now: float) -> None:
+        """The router sent the prompt to ``target``: as ``Lookup.sent``."""
+        self.matcher.sent(found, target, now)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Literal, Protocol
@@ -20,11 +20,14 @@ Assignment = Literal["random", "min_load", "min_group"]
 @dataclass(frozen=True, slots=True)
 class Prefix:
     """How much of a prompt each target holds in its KV cache, as its engine's events
-    said: ``held[label]`` of the prompt's ``tokens``, in leading blocks (a target holding
-    none is left out)."""
+    said or the router has sent there since (pending): ``held[label]`` of the prompt's
+    ``tokens``, in leading blocks (a target holding none is left out); ``queued[label]``:
+    prompt tokens the router sent there and its events have not stored yet, the target's
+    prefill still to do (a target with none is left out)."""
 
     tokens: int
     held: Mapping[str, int]
+    queued: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,10 +52,11 @@ class PolicyOptions:
     cache_threshold: float = 0.5  # cache_aware: least prefix share that keeps affinity
     cache_bound: float = 1.5  # cache_aware: affinity holds while the holder's load is at
     # most bound x (the pool's mean load + 1)
-    prefix_weight: float = 1.0  # prefix: worth of holding the whole prompt...
+    prefix_weight: float = 4.0  # prefix: worth of holding the whole prompt...
     prefix_bound: float = 1.5  # ...counted while the target's load <= bound x (mean + 1)
     load_weight: float = 1.0  # prefix: cost of requests in flight, relative to the mean
     token_weight: float = 1.0  # prefix: cost of tokens in flight, relative to the mean
+    queue_weight: float = 1.0  # prefix: cost of prefill queued, in prompts like this one
 
 
 class Policy(Protocol):
