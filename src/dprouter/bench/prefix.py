@@ -36,11 +36,12 @@ POLICIES = (
     "min_tokens",
     "prefix",
 )
-# label -> (policy, options): the policies as shipped, and prefix with a heavier prefix
-PROPOSED = "prefix, prefix_weight 4"
+# label -> (policy, options): the policies as shipped, and prefix as first shipped
+# (prefix weight 1, no queue term: a conversation left its rank over one request)
+PROPOSED = "prefix, first weights"
 VARIANTS: dict[str, tuple[str, PolicyOptions | None]] = {
     **{p: (p, None) for p in POLICIES},
-    PROPOSED: ("prefix", PolicyOptions(prefix_weight=4.0)),
+    PROPOSED: ("prefix", PolicyOptions(prefix_weight=1.0, queue_weight=0.0)),
 }
 SHAPES = ("round_robin", "consistent_hash", "cache_aware", "prefix", PROPOSED)  # hot, flushed
 ENGINES, DP = 4, 4
@@ -168,8 +169,9 @@ def run(quick: bool, out: Path) -> Result:
             "2 engines x DP4; 'first 64 on one rank' is the most of the opening burst any "
             "rank got. Flushed: the shared chat with engines 0-1 (half the ranks) resetting "
             "their prefix caches halfway through the arrivals. prefix reads the ranks' "
-            "KV-cache events (vLLM's wire format, in the index 5 ms after each step); "
-            f"'{PROPOSED}' is the same policy with that option."
+            "KV-cache events (vLLM's wire format, in the index 5 ms after each step) and "
+            "the blocks it sent and the events have not stored yet (pending); "
+            f"'{PROPOSED}' is the same policy at prefix_weight 1, queue_weight 0."
         ),
         tables=[
             Table(COLUMNS, rows, "chat"),
