@@ -11,10 +11,19 @@ import asyncio
 from collections import Counter
 
 import aiohttp
+from aiohttp import web
 
 from dprouter.config import RouterConfig
 from dprouter.sim.config import EngineConfig, Faults
-from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
+from tests.conftest import (
+    StartCluster,
+    StartRouter,
+    completions_engine,
+    metric_sum,
+    serving,
+    until,
+    workers,
+)
 
 PROMPT = {"prompt": "fault injection", "max_tokens": 4}
 
@@ -116,6 +125,40 @@ async def test_a_stream_past_the_total_timeout_ends_with_an_error_event(
         data = await asyncio.wait_for(r.read(), 10)
     assert data.endswith(b"data: [DONE]\n\n") and b"ran past the read or total timeout" in data
     assert await until(lambda: not engine.engine.ranks[0].num_running)
+    assert all(t.outstanding == 0 for t in router.registry.targets())
+
+
+async def test_a_stream_silent_past_the_read_timeout_ends_with_an_error_event(
+    start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Events 0.2 s apart pass a 0.5 s read timeout; a silence past it ends the stream."""
+    release = asyncio.Event()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(5):
+            await resp.write(b'data: {"i": %d}\n\n' % i)
+            await asyncio.sleep(0.2)
+        await release.wait()  # then silent
+        return resp
+
+    async with serving(completions_engine(completions)) as url:
+        stand_in = workers(url, dialect="vllm", dp_size=1)
+        router = await start_router(RouterConfig(workers=stand_in, read_timeout=0.5))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        body = {"prompt": "a long story", "stream": True}
+        async with http.post(router.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            data = await asyncio.wait_for(r.read(), 10)
+        elapsed = loop.time() - t0
+        release.set()
+    assert data.count(b'data: {"i": ') == 5
+    assert data.endswith(b"data: [DONE]\n\n") and b"ran past the read or total timeout" in data
+    assert 1.2 <= elapsed < 5  # 0.5 s after the last event, sent at 0.8 s
+    errors = "dprouter_upstream_errors_total"
+    assert await metric_sum(http, router.url, errors, cause="stream_timeout") == 1
     assert all(t.outstanding == 0 for t in router.registry.targets())
 
 

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 
-import aiohttp
 from aiohttp import web
 
 from dprouter.admission import Admission, AdmissionOptions
@@ -44,6 +43,7 @@ from dprouter.policies.manual import Manual
 from dprouter.proxy import Proxy
 from dprouter.registry import Registry, worker_from_spec
 from dprouter.relay import error
+from dprouter.session import upstream_session
 from dprouter.targets import Target
 from dprouter.tokenizer import TokenizerError
 from dprouter.turn import Turn
@@ -192,28 +192,7 @@ async def _last_resort(request: web.Request, handler: Handler) -> web.StreamResp
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     parts = app[PARTS]
     config = parts.config
-    # a burst queues for an upstream connection rather than exhausting file descriptors
-    connector = aiohttp.TCPConnector(
-        limit=config.upstream_connections,
-        limit_per_host=config.upstream_per_worker,
-        keepalive_timeout=config.upstream_keepalive,
-    )
-    timeout = aiohttp.ClientTimeout(
-        total=config.total_timeout or None,
-        sock_connect=config.connect_timeout,
-        sock_read=config.read_timeout or None,
-    )
-    # The session serves every client. No cookie jar: a cookie an engine sets goes to the
-    # client it answered (the relay passes Set-Cookie on), never out with another's request.
-    # No Accept-Encoding of its own: answers pass through undecoded, so an engine may
-    # compress only for a client that asked.
-    session = aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        skip_auto_headers=("Accept-Encoding",),
-    )
+    session = upstream_session(config)
     if config.pd == "vllm-moriio" and parts.control is None:
         parts.registration = Registration(
             parts.registry, config.registration, config.heartbeat_timeout, parts.monitor.forget

@@ -29,7 +29,7 @@ from multidict import CIMultiDict
 from dprouter.breaker import Breakers
 from dprouter.estimate import OutputEstimate
 from dprouter.metrics import RouterMetrics
-from dprouter.relay import CUT, error
+from dprouter.relay import error, was_cut
 from dprouter.targets import Target, Worker
 from dprouter.upload import Upload
 
@@ -207,7 +207,7 @@ class Attempts:
         """The answer reached the client: a stream cut after it began counts against the
         target that sent it (the last one); a good answer closes every breaker involved."""
         breakers = self.rules.breakers
-        if answer.get(CUT):
+        if was_cut(answer):
             for t in targets[:-1]:
                 breakers.succeeded(t)
             breakers.failed(targets[-1])

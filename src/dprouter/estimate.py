@@ -18,7 +18,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from dprouter.parse import DEFAULT_OUTPUT, Incoming
-from dprouter.relay import CUT
+from dprouter.relay import was_cut
 from dprouter.targets import Outstanding
 
 WEIGHT = 0.05  # of each new length in the average: about the last 20 requests count
@@ -66,7 +66,7 @@ def learn(
 ) -> None:
     """What a good answer tells of output lengths: a whole answer its usage, a stream
     the events that went by."""
-    if answer.status != 200 or answer.get(CUT):
+    if answer.status != 200 or was_cut(answer):
         return
     if isinstance(answer, web.Response):
         body = answer.body

@@ -16,7 +16,7 @@ from dprouter import dialects
 from dprouter.config import RouterConfig
 from dprouter.metrics import RouterMetrics
 from dprouter.parse import BadRequest, Incoming, Kind, parse
-from dprouter.relay import HOP_BY_HOP, error
+from dprouter.relay import HOP_BY_HOP, error, without
 from dprouter.upload import Upload, read_upload
 
 NOT_FORWARDED = HOP_BY_HOP | dialects.OVERRIDE_HEADERS
@@ -38,7 +38,7 @@ class ClientRequest:
 def forwarded(request: web.Request, config: RouterConfig) -> CIMultiDict[str]:
     """The client's headers that go on to the engine."""
     dropped = NOT_FORWARDED if config.forward_authorization else NOT_FORWARDED_WITH_AUTH
-    return CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in dropped)
+    return without(request.headers, dropped)
 
 
 async def read_request(

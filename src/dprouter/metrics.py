@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -11,10 +11,27 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from dprouter.registry import Registry
+from dprouter.tally import CounterFamily, HistogramFamily, Tally
 from dprouter.targets import Target
 
 TARGET = ["role", "worker", "dp_rank"]
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+REQUESTS = (
+    "dprouter_requests",
+    "Requests answered, by target and HTTP status.",
+    [*TARGET, "status"],
+)
+ERRORS = ("dprouter_upstream_errors", "Failed attempts, by target and cause.", [*TARGET, "cause"])
+DURATION = (
+    "dprouter_request_duration_seconds",
+    "Time from request to last byte, by target.",
+    TARGET,
+)
+FIRST_BYTE = (
+    "dprouter_time_to_first_byte_seconds",
+    "Time from request to the first response byte (TTFT for streams), by target.",
+    TARGET,
+)
 
 
 class _Live(Collector):
@@ -81,22 +98,42 @@ class TargetSeries:
         self.target = target
         self._labels = labels
         self._metrics = metrics
-        self._answered: dict[int, Any] = {}
-        self._failed: dict[str, Any] = {}
-        self.first_byte = metrics.first_byte.labels(*labels)
-        self.duration = metrics.duration.labels(*labels)
+        self._answered: dict[int, Incs] = {}
+        self._failed: dict[str, Incs] = {}
+        self.first_byte: Observes = metrics.first_byte.child(labels)
+        self.duration: Observes = metrics.duration.child(labels)
 
     def answered(self, status: int) -> None:
         child = self._answered.get(status)
         if child is None:
-            child = self._answered[status] = self._metrics.requests.labels(*self._labels, status)
+            child = self._metrics.requests.child((*self._labels, str(status)))
+            self._answered[status] = child
         child.inc()
 
     def failed(self, cause: str) -> None:
         child = self._failed.get(cause)
         if child is None:
-            child = self._failed[cause] = self._metrics.errors.labels(*self._labels, cause)
+            child = self._failed[cause] = self._metrics.errors.child((*self._labels, cause))
         child.inc()
+
+
+class Observes(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class Incs(Protocol):
+    def inc(self, amount: float = 1.0) -> None: ...
+
+
+class Shared:
+    """A prometheus_client metric as a ``tally`` family: for serving processes, whose
+    values live in per-process files."""
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self.metric = metric
+
+    def child(self, labels: tuple[str, ...]) -> Any:
+        return self.metric.labels(*labels)
 
 
 class RouterMetrics:
@@ -111,34 +148,25 @@ class RouterMetrics:
         self.extra: list[Collector] = []  # read at scrape time too (``add``)
         self.prom = CollectorRegistry(auto_describe=False)
         p = self.prom
-        self.requests = Counter(
-            "dprouter_requests",
-            "Requests answered, by target and HTTP status.",
-            [*TARGET, "status"],
-            registry=p,
-        )
-        self.errors = Counter(
-            "dprouter_upstream_errors",
-            "Failed attempts, by target and cause.",
-            [*TARGET, "cause"],
-            registry=p,
-        )
+        # per target, on every request: plain numbers in one process (see ``tally``)
+        self.requests: CounterFamily | Shared
+        self.errors: CounterFamily | Shared
+        self.duration: HistogramFamily | Shared
+        self.first_byte: HistogramFamily | Shared
+        if shared_dir is None:
+            tally = Tally()
+            p.register(tally)
+            self.requests = tally.counter(*REQUESTS)
+            self.errors = tally.counter(*ERRORS)
+            self.duration = tally.histogram(*DURATION, LATENCY_BUCKETS)
+            self.first_byte = tally.histogram(*FIRST_BYTE, LATENCY_BUCKETS)
+        else:
+            self.requests = Shared(Counter(*REQUESTS, registry=p))
+            self.errors = Shared(Counter(*ERRORS, registry=p))
+            self.duration = Shared(Histogram(*DURATION, buckets=LATENCY_BUCKETS, registry=p))
+            self.first_byte = Shared(Histogram(*FIRST_BYTE, buckets=LATENCY_BUCKETS, registry=p))
         self.rejected = Counter(
             "dprouter_rejected", "Requests refused before routing, by cause.", ["cause"], registry=p
-        )
-        self.duration = Histogram(
-            "dprouter_request_duration_seconds",
-            "Time from request to last byte, by target.",
-            TARGET,
-            buckets=LATENCY_BUCKETS,
-            registry=p,
-        )
-        self.first_byte = Histogram(
-            "dprouter_time_to_first_byte_seconds",
-            "Time from request to the first response byte (TTFT for streams), by target.",
-            TARGET,
-            buckets=LATENCY_BUCKETS,
-            registry=p,
         )
         self.pairs = Counter(
             "dprouter_pd_pairs",

@@ -12,14 +12,15 @@ answering 500, though the status already said 200).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from dprouter.drain import grace_over
+from dprouter.idle import take_over
 from dprouter.metrics import TargetSeries
 from dprouter.targets import Outstanding, Target
 
@@ -43,6 +44,12 @@ TARGET_HEADER = "x-dprouter-target"
 SPEND = 16  # stream events (output tokens) spent off a request's count in one board write
 CUT = web.ResponseKey("dprouter.cut", bool)  # set on a response whose stream broke off
 STREAMING = web.RequestKey("dprouter.streaming", web.StreamResponse)  # the stream under way
+
+
+def was_cut(answer: web.StreamResponse) -> bool:
+    """The answer's stream broke off after it began. An answer is a mapping whose ``get``
+    of a missing key raises and catches a KeyError (2 us): most have no keys at all."""
+    return len(answer) > 0 and answer.get(CUT, False)
 
 
 class UpstreamBroke(Exception):
@@ -79,6 +86,17 @@ def error(
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
+def without(headers: CIMultiDictProxy[str], dropped: Iterable[str]) -> CIMultiDict[str]:
+    """A copy of ``headers`` (repeats, order and spelling kept) less the ``dropped`` names.
+    Copied whole in C and the few dropped names deleted: a third of the time of
+    filtering every header in Python (2.0 -> 0.8 us for six headers, timeit)."""
+    kept = headers.copy()
+    for name in dropped:
+        if name in kept:
+            del kept[name]  # every value of a repeated name
+    return kept
+
+
 def sse_error(status: int, message: str) -> bytes:
     return b"data: " + error_body(status, message) + b"\n\ndata: [DONE]\n\n"
 
@@ -98,9 +116,7 @@ async def relay(
     pass ``watch`` (the Responses API learns a stream's response id so)."""
     loop = asyncio.get_running_loop()
     # a multidict keeps repeated headers (two Set-Cookie, say) that a dict would merge away
-    headers = CIMultiDict(
-        (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP
-    )
+    headers = without(upstream.headers, HOP_BY_HOP)
     headers[TARGET_HEADER] = target.label
     headers.update(extra or {})
     done = False
@@ -149,12 +165,15 @@ async def _stream(
     tail = b"\n\n"  # the last bytes written: an event boundary, or not
     first = True
     events = 0
+    idle = take_over(loop, upstream)  # the read timeout, kept for a clock read per read
     try:
         async for chunk in upstream.content.iter_any():
             if first:
                 series.first_byte.observe(loop.time() - started)
                 first = False
             await resp.write(chunk)
+            if idle is not None:  # counted from here: a slow client is not an idle engine
+                idle.touch()
             if watch is not None:
                 watch(chunk)
             tail = chunk[-2:] if len(chunk) > 1 else (tail + chunk)[-2:]
@@ -180,6 +199,9 @@ async def _stream(
             message = "the router stopped: its grace period ran out before this stream ended"
             await _last_words(resp, tail, sse_error(503, message))
         raise  # on, so that the engine is told (connection closed, SGLang aborted)
+    finally:
+        if idle is not None:
+            idle.stop()
     if counted is not None:
         counted.spend(max(events - 1, 0))  # the rest, less the closing [DONE]
     await resp.write_eof()

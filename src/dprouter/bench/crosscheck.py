@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def home() -> Path:
-    return peers.home().parent / "inference-perf"
+    return peers.bench_home() / "inference-perf"
 
 
 def python312() -> str | None:

@@ -1,12 +1,15 @@
-"""The peers dprouter is compared with: the SGLang gateway and vllm-router.
+"""The peers dprouter is compared with: the SGLang gateway, in its current release and
+in its lean January build, and vllm-router.
 
-Both are Rust binaries inside PyPI wheels (``sglang-router``, ``vllm-router``),
-installed, pinned, into a virtual environment of their own the first time a
-scenario needs them (``~/.cache/dprouter-bench/peers``; ``DPROUTER_BENCH_HOME``).
-Command lines, as run:
+All three are Rust binaries inside Python wheels: ``smg`` 1.13.0 (the current SGLang
+gateway, kind ``smg``), ``sglang-router`` 0.3.2 (its January build, kind
+``sglang-gateway``; its binary is called ``smg`` too) and ``vllm-router`` 0.1.17,
+installed, pinned, into virtual environments of their own the first time a scenario
+needs them (``~/.cache/dprouter-bench/peers``, and ``.../smg`` for smg 1.13.0, whose
+binary would clash; ``DPROUTER_BENCH_HOME``). Command lines, as run:
 
     smg launch --host 127.0.0.1 --port P --worker-urls URL... --policy POLICY
-        [--dp-aware] --prometheus-host 127.0.0.1 --prometheus-port M
+        [--dp-aware] --prometheus-host 127.0.0.1 --prometheus-port M   (both gateways)
     vllm-router --host 127.0.0.1 --port P --worker-urls URL... --policy POLICY
         [--intra-node-data-parallel-size N] --worker-startup-check-interval 1
         --prometheus-host 127.0.0.1 --prometheus-port M
@@ -30,34 +33,48 @@ import aiohttp
 
 from dprouter.bench.procs import Proc, free_port
 
-PINS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
-KINDS = ("sglang-gateway", "vllm-router")
+# kind -> (its environment under the bench home, the pinned package, its binary)
+PEERS = {
+    "smg": ("smg", "smg==1.13.0", "smg"),
+    "sglang-gateway": ("peers", "sglang-router==0.3.2", "smg"),
+    "vllm-router": ("peers", "vllm-router==0.1.17", "vllm-router"),
+}
+KINDS = tuple(PEERS)
+GATEWAYS = ("smg", "sglang-gateway")  # the SGLang gateway's releases: `smg launch`
 
 
-def home() -> Path:
+def bench_home() -> Path:
     env = os.environ.get("DPROUTER_BENCH_HOME")
-    return (Path(env) if env else Path.home() / ".cache" / "dprouter-bench") / "peers"
+    return Path(env) if env else Path.home() / ".cache" / "dprouter-bench"
+
+
+def home(kind: str = "vllm-router") -> Path:
+    return bench_home() / PEERS[kind][0]
 
 
 def binary(kind: str) -> Path:
-    return home() / "bin" / ("smg" if kind == "sglang-gateway" else "vllm-router")
+    return home(kind) / "bin" / PEERS[kind][2]
 
 
 def ensure() -> str | None:
     """Install the peers if missing; None when they are there, else why not."""
-    if all(binary(k).exists() for k in KINDS):
-        return None
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(home())], check=True, timeout=120)
-        subprocess.run(
-            [str(home() / "bin" / "pip"), "install", "--quiet", *PINS],
-            check=True,
-            timeout=900,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-        )
-    except (subprocess.SubprocessError, OSError) as exc:
-        return f"peers could not be installed: {exc}"
+    for kind in KINDS:
+        if binary(kind).exists():
+            continue
+        env, pin, _ = PEERS[kind]
+        pins = [p for e, p, _ in PEERS.values() if e == env]
+        try:
+            venv = bench_home() / env
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+            subprocess.run(
+                [str(venv / "bin" / "pip"), "install", "--quiet", *pins],
+                check=True,
+                timeout=900,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+            )
+        except (subprocess.SubprocessError, OSError) as exc:
+            return f"peers could not be installed ({pin}): {exc}"
     return None
 
 
@@ -86,7 +103,7 @@ def router(
         policy,
         *metrics,
     ]
-    if kind == "sglang-gateway":
+    if kind in GATEWAYS:
         return Proc(
             [str(binary(kind)), "launch", *common, *(["--dp-aware"] if dp_aware else [])], cpus=cpus
         )

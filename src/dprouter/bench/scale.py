@@ -17,7 +17,7 @@ from pathlib import Path
 from dprouter.bench.harness import SimRouter
 from dprouter.bench.plots import lines
 from dprouter.bench.results import Cell, Result, Table
-from dprouter.policies import POLICIES, PolicyOptions, RequestInfo, make_policy
+from dprouter.policies import POLICIES, PolicyOptions, Prefix, RequestInfo, make_policy
 from dprouter.registry import Registry
 from dprouter.sim.config import EngineConfig, RankLimits
 from dprouter.sim.offline import Arrival, OfflineSim
@@ -46,21 +46,31 @@ def targets(n: int, seed: int = 0) -> tuple[Target, ...]:
     return pool
 
 
+def held_prefix(pool: tuple[Target, ...], tokens: int, rng: random.Random) -> Prefix:
+    """What the KV-event index tells ``prefix``: a few targets hold part of the prompt
+    (a shared system prompt, in 16-token blocks), the rest none."""
+    holders = rng.sample(pool, rng.randint(1, 4))
+    return Prefix(tokens, {t.label: rng.randrange(0, tokens, 16) for t in holders})
+
+
 def decision_us(policy: str, n: int, decisions: int, repeats: int = REPEATS) -> float:
     """CPU us per decision: the best of ``repeats`` identical runs, each with a fresh
     policy (so a run of a sticky policy places as many new keys as the first): on a
     shared machine the best run is the one least disturbed."""
     pool = targets(n)
     rng = random.Random(1)
-    infos = [
-        RequestInfo(
-            key=f"s{rng.randrange(n * 4)}",
-            text=f"system {rng.randrange(8)} " * 40,
-            tokens=rng.randint(100, 4000),
-            now=i * 0.01,
+    infos = []
+    for i in range(decisions):
+        tokens = rng.randint(100, 4000)
+        infos.append(
+            RequestInfo(
+                key=f"s{rng.randrange(n * 4)}",
+                text=f"system {rng.randrange(8)} " * 40,
+                tokens=tokens,
+                now=i * 0.01,
+                prefix=held_prefix(pool, tokens, rng),
+            )
         )
-        for i in range(decisions)
-    ]
     best = float("inf")
     for _ in range(repeats):
         chooser = make_policy(policy, PolicyOptions(assignment="min_load"))

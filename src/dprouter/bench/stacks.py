@@ -41,7 +41,7 @@ SCRIPT = Path(__file__).with_name("stack_proxy.py")
 
 
 def home() -> Path:
-    return peers.home().with_name("stacks")
+    return peers.bench_home() / "stacks"
 
 
 def python() -> str:

@@ -10,14 +10,20 @@ until seq -1; vLLM's ``ZmqEventPublisher._service_replay``) fills it in:
 - a sequence ahead of the next one expected: a gap, replayed;
 - a live sequence at or below the last live one: the engine restarted, its cache is
   empty, so is its rank here;
+- a reconnection to the publisher (the engine may have restarted, with nothing to say
+  since): the replay socket is asked from the last batch applied, which a running
+  engine still buffers, byte for byte; one that no longer has it restarted, and its
+  rank is emptied at once, not at its next batch (an engine with ``buffer_steps`` 0
+  cannot tell, and is emptied);
 - a gap the replay cannot fill (no replay socket, or the buffer moved on): the rank is
   emptied and rebuilt from what the replay still has -- under-reporting costs a cache
   miss, holding what the rank no longer holds costs a misroute.
 
 Engines publish nothing while idle, so silence alone proves nothing; with a replay
-socket, a silent stream is asked every ``probe`` seconds, and one that does not answer
-is emptied until it answers again. A batch is applied in slices, yielding to the event
-loop between them (SGLang with page size 1 sends one event per token).
+socket, a silent stream is asked every ``probe`` seconds (as on a reconnection), and
+one that does not answer is emptied until it answers again. A batch is applied in
+slices, yielding to the event loop between them (SGLang with page size 1 sends one
+event per token).
 """
 
 from __future__ import annotations
@@ -65,8 +71,10 @@ class RankStream:
         self.counts = StreamCounts()
         self.expected = 0  # the next sequence to apply
         self.live = -1  # the last sequence the SUB socket delivered
+        self.last = b""  # the payload of batch expected - 1: a running engine still has it
         self.on_batch: Callable[[], None] | None = None  # tests and metrics: one more applied
         self.joined = asyncio.Event()  # the join's replay is done (or there is none)
+        self._vouched = False  # a replay sent the last batch applied, unchanged
 
     @property
     def rank(self) -> int:
@@ -76,18 +84,30 @@ class RankStream:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # every handshake after the first is a reconnection: the engine may have restarted
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         sub.connect(self.endpoint)
+        handshakes = 0
         try:
             await self._replay(0)  # what the engine holds from before we joined
             self.joined.set()
             while True:
-                try:
-                    frames = await asyncio.wait_for(sub.recv_multipart(), self.probe)
-                except TimeoutError:
+                ready = dict(await poller.poll(self.probe * 1000))
+                if not ready:
                     await self._probe()
-                    continue
-                await self._frame(frames)
+                if monitor in ready:
+                    await monitor.recv_multipart()
+                    handshakes += 1
+                    if handshakes > 1:
+                        await self._check()
+                if sub in ready:
+                    await self._frame(await sub.recv_multipart())
         finally:
+            sub.disable_monitor()
+            monitor.close(0)
             sub.close(0)
             self.index.drop(*self.name)
 
@@ -102,10 +122,7 @@ class RankStream:
             log.warning("KV events of %s/%d: %s", *self.name, exc)
             return
         if seq <= self.live:  # the live stream went back: a new engine, an empty cache
-            self.counts.restarts += 1
-            log.info("KV events of %s/%d restarted at %d: emptied", *self.name, seq)
-            self.index.drop(*self.name)
-            self.expected = 0
+            self._restarted()
             if seq > 0:
                 await self._replay(0)
         if self.live < 0 and self.replay_endpoint is None:
@@ -120,33 +137,54 @@ class RankStream:
                 return
             if seq > self.expected:  # the replay could not fill it
                 self._restart_from(seq)
-        await self._apply(seq, batch)
+        await self._apply(seq, batch, frames[2])
+
+    def _restarted(self) -> None:
+        self.counts.restarts += 1
+        log.info("KV events of %s/%d: the engine restarted: emptied", *self.name)
+        self.index.drop(*self.name)
+        self.expected, self.live, self.last = 0, -1, b""
 
     def _restart_from(self, seq: int) -> None:
         log.info("KV events of %s/%d: %d..%d missed: emptied", *self.name, self.expected, seq - 1)
         self.index.drop(*self.name)
         self.expected = seq
 
-    async def _apply(self, seq: int, batch: wire.Batch) -> None:
+    async def _apply(self, seq: int, batch: wire.Batch, payload: bytes) -> None:
         events = batch.events
         for start in range(0, len(events), SLICE):
             if start:
                 await asyncio.sleep(0)
             self.index.apply(self.index.rank(*self.name), events[start : start + SLICE])
-        self.expected = seq + 1
+        self.expected, self.last = seq + 1, payload
         self.counts.batches += 1
         if self.on_batch is not None:
             self.on_batch()
 
     async def _probe(self) -> None:
         """A silent stream: still there? (Only a replay socket can say.)"""
-        if self.replay_endpoint is None or await self._replay(self.expected):
+        if self.replay_endpoint is None or await self._check():
             return
         if self.name in self.index.ranks:
             self.counts.lost += 1
             log.warning("KV events of %s/%d: no answer: emptied", *self.name)
             self.index.drop(*self.name)
             self.expected, self.live = 0, -1  # rebuilt from the replay when it answers
+
+    async def _check(self) -> bool:
+        """Is the engine behind the stream still the one followed? Asked from the last
+        batch applied: unless it restarted, the engine still buffers it, byte for byte,
+        and what follows fills any gap. False: no answer."""
+        if self.replay_endpoint is None or not self.expected:
+            return await self._replay(self.expected)
+        self._vouched = False
+        if not await self._replay(self.expected - 1):
+            return False
+        if not self._vouched:
+            log.info("KV events of %s/%d: the replay lacks batch %d", *self.name, self.expected - 1)
+            self._restarted()
+            return await self._replay(0)
+        return True
 
     async def _replay(self, start: int) -> bool:
         """Apply the batches the engine still buffers from ``start`` on (the live ones
@@ -165,10 +203,12 @@ class RankStream:
                 if seq == END:
                     return True
                 if seq < self.expected:
+                    if seq == self.expected - 1 and frames[-1] == self.last:
+                        self._vouched = True  # the engine still has the last batch applied
                     continue
                 if seq > self.expected:  # the buffer no longer reaches back to it
                     self._restart_from(seq)
-                await self._apply(seq, wire.batch(frames[-1]))
+                await self._apply(seq, wire.batch(frames[-1]), frames[-1])
         except TimeoutError:
             return False
         except (wire.BadFrame, IndexError) as exc:

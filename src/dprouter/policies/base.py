@@ -78,7 +78,8 @@ LOAD = attrgetter("load")
 SMALL = 128  # pools below this are scanned differently (measured)
 CACHED = 16  # pools a policy keeps readers for (a snapshot's pools; retries make more)
 I64 = npt.NDArray[np.int64]
-Values = list[Any] | tuple[Any, ...] | I64  # of ints (or of pairs), or an array
+# of ints (or of pairs), or an array (of ints or floats)
+Values = list[Any] | tuple[Any, ...] | I64 | npt.NDArray[np.floating[Any]]
 
 
 def rotated(targets: Sequence[Target], start: int) -> Iterable[Target]:

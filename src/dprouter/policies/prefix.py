@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from dprouter.policies.base import PolicyOptions, Readers, RequestInfo, first_least
 from dprouter.targets import Target
 
@@ -55,14 +53,19 @@ class PrefixPolicy:
         if len(targets) == 1:
             return targets[0]
         reader = self.readers.of(targets)
-        loads = reader.loads().astype(np.float64)
-        tokens = reader.tokens().astype(np.float64)
-        mean_load, mean_tokens = loads.mean(), tokens.mean()
-        score = -self.load_weight * loads / (mean_load + 1)
-        score -= self.token_weight * tokens / (mean_tokens + request.tokens + 1)
+        loads, tokens = reader.loads(), reader.tokens()
+        # the score negated, as cost (the same floats: negation is exact); an integer
+        # sum over n is the float mean exactly, without numpy's slow mean()
+        n = len(targets)
+        mean_load = int(loads.sum()) / n
+        cost = loads * self.load_weight
+        cost /= mean_load + 1
+        load_tokens = tokens * self.token_weight
+        load_tokens /= int(tokens.sum()) / n + request.tokens + 1
+        cost += load_tokens
         prefix = request.prefix
         if prefix is None:
-            return targets[first_least(-score, self.start)]
+            return targets[first_least(cost, self.start)]
         if targets is not self._pool:
             self._pool, self._where = targets, {t.label: i for i, t in enumerate(targets)}
         if prefix.queued and self.queue_weight:
@@ -70,11 +73,11 @@ class PrefixPolicy:
             for label, queued in prefix.queued.items():
                 i = self._where.get(label)
                 if i is not None:
-                    score[i] -= per * queued
+                    cost[i] += per * queued
         if prefix.tokens and prefix.held and self.weight:
             limit = self.bound * (mean_load + 1)
             for label, held in prefix.held.items():
                 i = self._where.get(label)
                 if i is not None and loads[i] <= limit:
-                    score[i] += self.weight * held / prefix.tokens
-        return targets[first_least(-score, self.start)]
+                    cost[i] -= self.weight * held / prefix.tokens
+        return targets[first_least(cost, self.start)]
