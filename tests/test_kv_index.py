@@ -251,3 +251,13 @@ def test_pending_blocks_are_per_rank() -> None:
 def test_no_ttl_keeps_nothing_pending() -> None:
     index, keys, mask = pending_setup(ttl=0.0)
     assert index.match(keys, mask) == {index.ranks[("w0", 0)].bit: 1} and not index.pending
+
+
+def test_the_queue_row_follows_pending_blocks_by_rank_bit() -> None:
+    index, _, _ = pending_setup()
+    rank = index.ranks[("w0", 0)]
+    assert index.queue[rank.bit] == 48 and index.queue[-1] == 0
+    index.apply(rank, [Stored([2], 1, PROMPT[16:32], 16)])
+    assert index.queue[rank.bit] == 32
+    index.apply(rank, [Cleared()])
+    assert index.queue[rank.bit] == 0

@@ -9,7 +9,14 @@ from dprouter.kvevents.index import KvIndex
 from dprouter.kvevents.keys import prompt_keys
 from dprouter.kvevents.lookup import Matcher
 from dprouter.kvevents.wire import Stored
-from dprouter.policies import PolicyOptions, Prefix, RequestInfo, make_policy, needs_tokens
+from dprouter.policies import (
+    PolicyOptions,
+    Prefix,
+    QueuedBy,
+    RequestInfo,
+    make_policy,
+    needs_tokens,
+)
 from dprouter.registry import Registry
 from dprouter.targets import Target, Worker
 
@@ -84,11 +91,12 @@ def test_prefill_queued_on_a_target_sends_a_prompt_to_be_computed_elsewhere() ->
     # w0/0 has one request fewer but 2,000 tokens of prefill queued; the prompt's 1,000:
     # w0/0 costs 0 + 2000/1001 = 2.0, w0/1 1/1.5 = 0.67 (tokens in flight equal)
     load(targets, 0, 1)
-    info = RequestInfo(tokens=1000, prefix=Prefix(1000, {}, {"w0/0": 2000}))
+    info = RequestInfo(tokens=1000, prefix=Prefix(1000, {}, QueuedBy({"w0/0": 2000})))
     assert picks(targets, info, 2, token_weight=0.0) == ["w0/1", "w0/1"]
     assert picks(targets, info, 2, token_weight=0.0, queue_weight=0.0) == ["w0/0", "w0/0"]
     # a held prompt outweighs a short queue: 4 x 0.9 - 200/1001 > -0.67
-    held = RequestInfo(tokens=1000, prefix=Prefix(1000, {"w0/0": 900}, {"w0/0": 200}))
+    queued = QueuedBy({"w0/0": 200})
+    held = RequestInfo(tokens=1000, prefix=Prefix(1000, {"w0/0": 900}, queued))
     assert picks(targets, held, 1, token_weight=0.0) == ["w0/0"]
 
 
@@ -148,10 +156,14 @@ def test_a_prompt_sent_is_pending_on_its_target_for_the_next_lookup() -> None:
     matcher = Matcher(index)
     ids = np.array(prompt)
     found = matcher.match(targets, ids, 1.0)
-    assert found.prefix == Prefix(64, {}, {})
+    assert found.prefix == Prefix(64, {})  # nothing pending anywhere
     policy = make_policy("prefix")
     first = policy.select(targets, RequestInfo(tokens=64, prefix=found.prefix))
     matcher.sent(found, first, 1.0)
-    again = matcher.match(targets, ids, 2.0)
-    assert again.prefix == Prefix(64, {first.label: 64}, {first.label: 64})
-    assert matcher.match(targets, ids, 1.0 + index.ttl).prefix == Prefix(64, {}, {})
+    again = matcher.match(targets, ids, 2.0).prefix
+    assert again.held == {first.label: 64} and again.queued is not None
+    assert again.queued.of(targets).tolist() == [64 if t is first else 0 for t in targets]
+    assert (
+        again.queued.of(targets[::-1]).tolist() == [64 if t is first else 0 for t in targets][::-1]
+    )
+    assert matcher.match(targets, ids, 1.0 + index.ttl).prefix == Prefix(64, {})

@@ -25,6 +25,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dprouter.kvevents.keys import chain, root
 from dprouter.kvevents.wire import Cleared, Event, Hash, Removed, Stored
 
@@ -62,6 +64,9 @@ class KvIndex:
         self.ttl = ttl  # pending blocks expire after this many seconds (0: none kept)
         self.entries: dict[int, int] = {}  # key -> holders mask << DEPTH_BITS | depth
         self.pending: dict[int, int] = {}  # key -> mask of the ranks it is pending on
+        # pending tokens by rank bit, for a pool to gather in one step; the last entry
+        # stays 0, for the pool's targets with no rank in the index
+        self.queue = np.zeros(64, np.int64)
         self._expiry: deque[tuple[float, Rank, int]] = deque()  # in expiry order
         self.ranks: dict[tuple[str, int], Rank] = {}
         self.size = 0  # blocks held over all ranks
@@ -77,6 +82,8 @@ class KvIndex:
             bit = self._free.pop() if self._free else self._next
             self._next += bit == self._next
             found = self.ranks[name] = Rank(name, bit)
+            if bit + 2 > len(self.queue):
+                self.queue = np.concatenate([self.queue, np.zeros_like(self.queue)])
             self.version += 1
         return found
 
@@ -166,6 +173,7 @@ class KvIndex:
             else:
                 del pending[key]
         rank.pending = {}
+        self.queue[rank.bit] = 0
 
     def expect(self, rank: Rank, keys: Sequence[int], now: float) -> None:
         """The prompt whose block keys are ``keys`` was sent to ``rank`` at ``now``: its
@@ -182,6 +190,7 @@ class KvIndex:
             mine[key] = until
             pending[key] = pending.get(key, 0) | bit
             self._expiry.append((until, rank, key))
+        self.queue[rank.bit] = len(mine) * rank.block_size
 
     def expire(self, now: float) -> None:
         """Pending blocks past their time are dropped (O(1) each)."""
@@ -198,6 +207,7 @@ class KvIndex:
     def _settle(self, rank: Rank, key: int) -> None:
         """``key`` is no longer pending on ``rank`` (stored, removed or expired)."""
         if rank.pending.pop(key, None) is not None:
+            self.queue[rank.bit] = len(rank.pending) * rank.block_size
             if held := self.pending[key] & ~(1 << rank.bit):
                 self.pending[key] = held
             else:

@@ -36,9 +36,30 @@ class Found:
     ranks: Ranks
 
 
+class PendingRow:
+    """``Prefix.queued`` read off the index: its row of pending tokens by rank bit,
+    gathered in a pool's order (one numpy step; the pool's bits kept per pool)."""
+
+    def __init__(self, index: KvIndex) -> None:
+        self.index = index
+        self._cached: tuple[Sequence[Target] | None, int, npt.NDArray[np.intp]]
+        self._cached = (None, -1, np.zeros(0, np.intp))
+
+    def of(self, targets: Sequence[Target]) -> npt.NDArray[np.int64]:
+        index = self.index
+        kept, version, bits = self._cached
+        if kept is not targets or version != index.version:
+            none = len(index.queue) - 1  # always 0: no rank in the index
+            found = (index.ranks.get((t.worker.id, t.rank or 0)) for t in targets)
+            bits = np.array([none if r is None else r.bit for r in found], np.intp)
+            self._cached = (targets, index.version, bits)
+        return index.queue[bits]
+
+
 class Matcher:
     def __init__(self, index: KvIndex) -> None:
         self.index = index
+        self.queued = PendingRow(index)
         self._cached: tuple[Sequence[Target] | None, int, Ranks] = (None, -1, Ranks({}, {}))
 
     def ranks(self, pool: Sequence[Target]) -> Ranks:
@@ -68,9 +89,7 @@ class Matcher:
             keys[size] = prompt_keys(ids, size)
             for bit, blocks in index.match(keys[size], among).items():
                 held[labels[bit]] = blocks * size
-        queued = {}
-        if index.pending:
-            queued = {k: index.queued(r) for k, r in ranks.by_label.items() if r.pending}
+        queued = self.queued if index.pending else None
         return Found(Prefix(len(ids), held, queued), keys, ranks)
 
     def sent(self, found: Found, target: Target, now: float) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Literal, Protocol
@@ -17,17 +17,33 @@ from dprouter.targets import Target
 Assignment = Literal["random", "min_load", "min_group"]
 
 
+class Queued(Protocol):
+    """Prompt tokens the router sent to each target that its events have not stored yet:
+    the target's prefill still to do, as a row in the order of any pool."""
+
+    def of(self, targets: Sequence[Target]) -> npt.NDArray[np.int64]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedBy:
+    """A literal ``Queued``: tokens by target label (a target left out has none)."""
+
+    tokens: Mapping[str, int]
+
+    def of(self, targets: Sequence[Target]) -> npt.NDArray[np.int64]:
+        return np.array([self.tokens.get(t.label, 0) for t in targets], np.int64)
+
+
 @dataclass(frozen=True, slots=True)
 class Prefix:
     """How much of a prompt each target holds in its KV cache, as its engine's events
     said or the router has sent there since (pending): ``held[label]`` of the prompt's
-    ``tokens``, in leading blocks (a target holding none is left out); ``queued[label]``:
-    prompt tokens the router sent there and its events have not stored yet, the target's
-    prefill still to do (a target with none is left out)."""
+    ``tokens``, in leading blocks (a target holding none is left out); ``queued``: each
+    target's pending tokens (None: nothing pending anywhere)."""
 
     tokens: int
     held: Mapping[str, int]
-    queued: Mapping[str, int] = field(default_factory=dict)
+    queued: Queued | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,8 @@
 What each target holds comes from its engine's KV-cache events (``kvevents``), in
 ``RequestInfo.prefix``: ``held`` of the prompt's ``tokens``, in leading blocks, counting
 blocks the router sent there that the events have not stored yet (pending), and
-``queued``, the target's pending tokens: prefill sent there and not yet done. Each
+``queued``, each target's pending tokens: prefill sent there and not yet done (one
+numpy row, so its cost does not grow with the targets in Python). Each
 target scores
 
     score = prefix_weight x held / prompt x [load <= prefix_bound x (mean load + 1)]
@@ -68,12 +69,9 @@ class PrefixPolicy:
             return targets[first_least(cost, self.start)]
         if targets is not self._pool:
             self._pool, self._where = targets, {t.label: i for i, t in enumerate(targets)}
-        if prefix.queued and self.queue_weight:
-            per = self.queue_weight / (request.tokens + 1)
-            for label, queued in prefix.queued.items():
-                i = self._where.get(label)
-                if i is not None:
-                    cost[i] += per * queued
+        if prefix.queued is not None and self.queue_weight:
+            queued = prefix.queued.of(targets) * (self.queue_weight / (request.tokens + 1))
+            cost += queued
         if prefix.tokens and prefix.held and self.weight:
             limit = self.bound * (mean_load + 1)
             for label, held in prefix.held.items():
