@@ -163,3 +163,101 @@ def test_capacity_bounds_what_is_indexed() -> None:
     index.apply(a, [Stored([1, 2, 3], None, TOKENS, 16)])
     assert index.size == 2 and index.counts.dropped == 1
     assert index.match(prompt_keys(np.array(TOKENS), 16), 1 << a.bit) == {a.bit: 2}
+
+
+PROMPT = list(range(500, 564))  # 4 blocks of 16
+
+
+def pending_setup(ttl: float = 10.0) -> tuple[KvIndex, list[int], int]:
+    """Rank 0 holds the prompt's first block (so its block size is known); the whole
+    prompt was sent to it at t=100."""
+    index = KvIndex(ttl=ttl)
+    rank = index.rank("w0", 0)
+    index.apply(rank, [Stored([1], None, PROMPT[:16], 16)])
+    keys = prompt_keys(np.array(PROMPT), 16)
+    index.expect(rank, keys, 100.0)
+    return index, keys, 1 << rank.bit
+
+
+def test_pending_blocks_count_as_held_and_as_queued_prefill() -> None:
+    index, keys, mask = pending_setup()
+    rank = index.ranks[("w0", 0)]
+    assert index.match(keys, mask) == {rank.bit: 4}
+    assert index.queued(rank) == 3 * 16  # the held first block is not pending
+    assert index.size == 1  # nothing claimed as stored
+
+
+def test_pending_blocks_expire_after_the_ttl() -> None:
+    index, keys, mask = pending_setup(ttl=2.0)
+    rank = index.ranks[("w0", 0)]
+    index.expire(101.9)
+    assert index.match(keys, mask) == {rank.bit: 4}
+    index.expire(102.0)
+    assert index.match(keys, mask) == {rank.bit: 1}
+    assert index.queued(rank) == 0 and not index.pending
+
+
+def test_a_prompt_sent_again_is_pending_from_its_last_sending() -> None:
+    index, keys, mask = pending_setup(ttl=2.0)
+    index.expect(index.ranks[("w0", 0)], keys, 101.0)
+    index.expire(102.5)
+    assert index.match(keys, mask) == {index.ranks[("w0", 0)].bit: 4}
+    index.expire(103.0)
+    assert index.match(keys, mask) == {index.ranks[("w0", 0)].bit: 1}
+
+
+def test_events_replace_pending_blocks() -> None:
+    index, keys, mask = pending_setup()
+    rank = index.ranks[("w0", 0)]
+    index.apply(rank, [Stored([2, 3], 1, PROMPT[16:48], 16)])
+    assert rank.pending == {keys[3]: 110.0}  # the stored two are held, not pending
+    assert index.queued(rank) == 16
+    assert index.match(keys, mask) == {rank.bit: 4}
+    index.expire(111.0)  # the stored ones stay when the pending time is up
+    assert index.match(keys, mask) == {rank.bit: 3}
+
+
+def test_a_flush_a_removal_or_the_ranks_end_clears_pending_blocks() -> None:
+    index, keys, mask = pending_setup()
+    rank = index.ranks[("w0", 0)]
+    index.apply(rank, [Cleared()])
+    assert index.match(keys, mask) == {} and index.queued(rank) == 0 and not index.pending
+
+    index, keys, mask = pending_setup()
+    rank = index.ranks[("w0", 0)]
+    index.apply(rank, [Stored([2], 1, PROMPT[16:32], 16), Removed([2])])
+    assert index.match(keys, mask) == {rank.bit: 1}  # block 2 gone: the chain ends there
+    assert set(rank.pending) == set(keys[2:])
+
+    index, keys, mask = pending_setup()
+    index.drop("w0", 0)
+    assert not index.pending
+    again = index.rank("w0", 0)  # the same bit, nothing pending on it
+    assert again.bit == 0 and index.match(keys, mask) == {} and not again.pending
+
+
+def test_pending_blocks_are_per_rank() -> None:
+    index, keys, mask = pending_setup()
+    other = index.rank("w0", 1)
+    index.apply(other, [Stored([7], None, PROMPT[:16], 16)])
+    both = mask | 1 << other.bit
+    assert index.match(keys, both) == {0: 4, other.bit: 1}
+    index.expect(other, keys[:2], 100.5)
+    assert index.match(keys, both) == {0: 4, other.bit: 2}
+    index.apply(other, [Cleared()])
+    assert index.match(keys, both) == {0: 4}
+
+
+def test_no_ttl_keeps_nothing_pending() -> None:
+    index, keys, mask = pending_setup(ttl=0.0)
+    assert index.match(keys, mask) == {index.ranks[("w0", 0)].bit: 1} and not index.pending
+
+
+def test_the_queue_row_follows_pending_blocks_by_rank_bit() -> None:
+    index, _, _ = pending_setup()
+    rank = index.ranks[("w0", 0)]
+    assert index.queue[rank.bit] == 48 and index.queue[-1] == 0
+    index.apply(rank, [Stored([2], 1, PROMPT[16:32], 16)])
+    assert index.queue[rank.bit] == 32
+    index.apply(rank, [Cleared()])
+    assert index.queue[rank.bit] == 0

@@ -7,8 +7,16 @@ import pytest
 
 from dprouter.kvevents.index import KvIndex
 from dprouter.kvevents.keys import prompt_keys
+from dprouter.kvevents.lookup import Matcher
 from dprouter.kvevents.wire import Stored
-from dprouter.policies import PolicyOptions, Prefix, RequestInfo, make_policy, needs_tokens
+from dprouter.policies import (
+    PolicyOptions,
+    Prefix,
+    QueuedBy,
+    RequestInfo,
+    make_policy,
+    needs_tokens,
+)
 from dprouter.registry import Registry
 from dprouter.targets import Target, Worker
 
@@ -55,14 +63,41 @@ def test_the_holder_of_the_longest_prefix_wins_at_equal_load() -> None:
 def test_affinity_holds_within_the_formula_then_yields_to_load() -> None:
     targets = fleet(4)
     info = RequestInfo(prefix=Prefix(4, {"w0/0": 4}))
-    # loads 1,0,0,0: mean 0.25; w0/0 scores 1 - 1/1.25 = 0.2 > 0 -> kept
+    # at prefix weight 1 (the default before bench prefix): loads 1,0,0,0: mean 0.25;
+    # w0/0 scores 1 - 1/1.25 = 0.2 > 0 -> kept
     load(targets, 1)
-    assert picks(targets, info, 1) == ["w0/0"]
+    assert picks(targets, info, 1, prefix_weight=1.0) == ["w0/0"]
     # loads 2,0,0,0: mean 0.5; 1 - 2/1.5 < 0 -> the idle ones
     load(targets, 2)
-    assert picks(targets, info, 2) == ["w0/1", "w0/2"]
-    # a bigger prefix weight keeps it: 3 - 2/1.5 > 0
+    assert picks(targets, info, 2, prefix_weight=1.0) == ["w0/1", "w0/2"]
+    # a bigger prefix weight keeps it: 3 - 2/1.5 > 0; so does the default, 4
     assert picks(targets, info, 1, prefix_weight=3.0) == ["w0/0"]
+    assert picks(targets, info, 1) == ["w0/0"]
+
+
+def test_by_default_a_conversation_keeps_its_rank_over_a_one_request_difference() -> None:
+    targets = fleet(4)
+    # w0/0 holds the conversation (1,800 of 2,000 tokens), w0/1 its system prompt only
+    info = RequestInfo(tokens=2000, prefix=Prefix(2000, {"w0/0": 1800, "w0/1": 1500}))
+    load(targets, 3, 2, 2, 2)  # mean 2.25: one request costs 1 / 3.25 = 0.31
+    # weight 1: 0.9 - 3/3.25 = -0.02 < 0.75 - 2/3.25 = 0.13 -> it leaves (bench prefix)
+    assert picks(targets, info, 1, prefix_weight=1.0, token_weight=0.0) == ["w0/1"]
+    # weight 4: 3.6 - 0.92 = 2.68 > 3.0 - 0.62 = 2.38 -> it stays
+    assert picks(targets, info, 1, token_weight=0.0) == ["w0/0"]
+
+
+def test_prefill_queued_on_a_target_sends_a_prompt_to_be_computed_elsewhere() -> None:
+    targets = fleet(2)
+    # w0/0 has one request fewer but 2,000 tokens of prefill queued; the prompt's 1,000:
+    # w0/0 costs 0 + 2000/1001 = 2.0, w0/1 1/1.5 = 0.67 (tokens in flight equal)
+    load(targets, 0, 1)
+    info = RequestInfo(tokens=1000, prefix=Prefix(1000, {}, QueuedBy({"w0/0": 2000})))
+    assert picks(targets, info, 2, token_weight=0.0) == ["w0/1", "w0/1"]
+    assert picks(targets, info, 2, token_weight=0.0, queue_weight=0.0) == ["w0/0", "w0/0"]
+    # a held prompt outweighs a short queue: 4 x 0.9 - 200/1001 > -0.67
+    queued = QueuedBy({"w0/0": 200})
+    held = RequestInfo(tokens=1000, prefix=Prefix(1000, {"w0/0": 900}, queued))
+    assert picks(targets, held, 1, token_weight=0.0) == ["w0/0"]
 
 
 def test_the_bound_spreads_a_hot_prefix_whatever_its_weight() -> None:
@@ -85,8 +120,10 @@ def test_tokens_in_flight_weigh_against_the_prompt_size() -> None:
     load(targets, 1, 1, tokens=(1000, 0))
     assert picks(targets, RequestInfo(tokens=100), 1) == ["w0/1"]
     half = RequestInfo(tokens=100, prefix=Prefix(2, {"w0/0": 1}))
-    assert picks(targets, half, 1) == ["w0/1"]  # 0.5 - 1000/601 < 0
-    assert picks(targets, half, 1, token_weight=0.25) == ["w0/0"]  # 0.5 - 0.42 > 0
+    assert picks(targets, half, 1, prefix_weight=1.0) == ["w0/1"]  # 0.5 - 1000/601 < 0
+    # 0.5 - 0.42 > 0; and at the default prefix weight 4: 2 - 1.66 > 0
+    assert picks(targets, half, 1, prefix_weight=1.0, token_weight=0.25) == ["w0/0"]
+    assert picks(targets, half, 1) == ["w0/0"]
 
 
 def test_a_literal_index_feeds_the_choice() -> None:
@@ -108,3 +145,25 @@ def test_a_literal_index_feeds_the_choice() -> None:
 def test_one_target_is_the_answer(dp: int) -> None:
     targets = fleet(dp)[:1]
     assert picks(targets, RequestInfo(prefix=Prefix(1, {"x": 1})), 1) == [targets[0].label]
+
+
+def test_a_prompt_sent_is_pending_on_its_target_for_the_next_lookup() -> None:
+    targets = fleet(4)
+    index = KvIndex()
+    prompt = list(range(100, 164))  # 4 blocks of 16
+    for r in range(4):  # every rank has stored something: block sizes known
+        index.apply(index.rank("w0", r), [Stored([50 + r], None, [r] * 16, 16)])
+    matcher = Matcher(index)
+    ids = np.array(prompt)
+    found = matcher.match(targets, ids, 1.0)
+    assert found.prefix == Prefix(64, {})  # nothing pending anywhere
+    policy = make_policy("prefix")
+    first = policy.select(targets, RequestInfo(tokens=64, prefix=found.prefix))
+    matcher.sent(found, first, 1.0)
+    again = matcher.match(targets, ids, 2.0).prefix
+    assert again.held == {first.label: 64} and again.queued is not None
+    assert again.queued.of(targets).tolist() == [64 if t is first else 0 for t in targets]
+    assert (
+        again.queued.of(targets[::-1]).tolist() == [64 if t is first else 0 for t in targets][::-1]
+    )
+    assert matcher.match(targets, ids, 1.0 + index.ttl).prefix == Prefix(64, {})

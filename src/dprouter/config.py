@@ -110,10 +110,11 @@ class RouterConfig:
     # each model's tokenizer directory, as [MODEL=]DIR (no MODEL: any model without its own)
     tokenizers: tuple[str, ...] = ()
     kv_capacity: int = 4_000_000  # blocks the KV-event index holds at most, over all ranks
-    prefix_weight: float = 1.0  # prefix: the score's weights (docs/kv-events.md)
+    prefix_weight: float = 4.0  # prefix: the score's weights (docs/kv-events.md)
     prefix_bound: float = 1.5
     load_weight: float = 1.0
     token_weight: float = 1.0
+    queue_weight: float = 1.0
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -142,6 +143,7 @@ class RouterConfig:
             prefix_bound=self.prefix_bound,
             load_weight=self.load_weight,
             token_weight=self.token_weight,
+            queue_weight=self.queue_weight,
         )
 
     def tokenizer_dirs(self) -> dict[str | None, Path]:
@@ -311,7 +313,7 @@ def check_prefix(config: RouterConfig) -> None:
         )
     if config.kv_capacity < 1:
         raise ConfigError(f"kv_capacity must be at least 1, got {config.kv_capacity}")
-    for name in ("prefix_weight", "prefix_bound", "load_weight", "token_weight"):
+    for name in ("prefix_weight", "prefix_bound", "load_weight", "token_weight", "queue_weight"):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
 

@@ -91,8 +91,11 @@ class Proxy:
             now=started,
             pool=(kind == "generate", incoming.model, client.pinned),
         )
+        found = None
         if self.lookup is not None:
-            info = replace(info, prefix=await self.lookup.prefix(kind, incoming, pool))
+            found = await self.lookup.find(kind, incoming, pool, started)
+            if found is not None:
+                info = replace(info, prefix=found.prefix)
         attempts = self.rules.start()
         while candidates := attempts.candidates(pool):
             if attempts.tried:
@@ -107,6 +110,8 @@ class Proxy:
                 with self.turn:  # the pick and its count, in one step for all processes
                     target = self.policy.select(candidates, info)
                     counted = Outstanding(target, incoming.tokens, incoming.output).claim()
+            if found is not None and self.lookup is not None:
+                self.lookup.sent(found, target, started)  # its blocks are pending there
             try:
                 with counted:  # counted on every exit, a claimed one too
                     return await self._attempt(

@@ -215,7 +215,7 @@ def make_config(
 @click.option(
     "--prefix-weight",
     type=click.FloatRange(min=0),
-    default=1.0,
+    default=4.0,
     show_default=True,
     help="prefix: worth of a target holding the whole prompt (docs/kv-events.md).",
 )
@@ -239,6 +239,13 @@ def make_config(
     default=1.0,
     show_default=True,
     help="prefix: cost of tokens in flight, relative to the mean + the prompt's.",
+)
+@click.option(
+    "--queue-weight",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="prefix: cost of prefill sent to a target and not yet stored, in prompts like this one.",
 )
 @click.option("--sessions", is_flag=True, help="Clients send routing keys: keep them sticky.")
 @click.option(

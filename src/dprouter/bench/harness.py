@@ -10,7 +10,9 @@ router's ``OutputEstimate`` learns it (``Arrival.limit`` is what the client
 sent); an ``oracle`` router weighs it by the output it will really run to,
 which no router knows at admission. With ``scrape`` the engines' per-rank
 reports (running + waiting, tokens held) reach the board every ``scrape``
-virtual seconds, as the router's monitor reads them.
+virtual seconds, as the router's monitor reads them. A policy that reads the
+engines' KV-cache events (``prefix``) gets them through ``SimKvFeed``: the ranks'
+caches journal what they store and evict, and the index sees it a little later.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from dprouter.bench.kvfeed import SimKvFeed
 from dprouter.estimate import OutputEstimate
 from dprouter.load import assign
-from dprouter.policies import Policy, PolicyOptions, RequestInfo, make_policy
+from dprouter.policies import Policy, PolicyOptions, RequestInfo, make_policy, needs_tokens
 from dprouter.registry import Registry
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.offline import Arrival, Cluster, OfflineSim
 from dprouter.sim.report import SimReport
 from dprouter.sim.request import SimRequest
 from dprouter.targets import Outstanding, Target, Worker
+
+OPENING = 256  # routing decisions kept in order: where a burst's opening went
 
 
 class SimRouter:
@@ -54,8 +59,10 @@ class SimRouter:
         self.pool = self.registry.snapshot.pool()
         self.index = {w.id: i for i, w in enumerate(self.registry.workers.values())}
         self.policy = make_policy(policy, options) if isinstance(policy, str) else policy
+        self.feed = SimKvFeed(list(self.index)) if needs_tokens(self.policy) else None
         self.held: dict[int, Outstanding] = {}
         self.decisions = 0
+        self.opening: list[str] = []  # the first OPENING targets chosen, in order
 
     def route(self, cluster: Cluster, arrival: Arrival) -> tuple[int, int | None]:
         if self.scrape and cluster.now - self._scraped >= self.scrape:
@@ -64,13 +71,22 @@ class SimRouter:
         known = arrival.limit is None or self.oracle
         output = arrival.max_tokens if known else self.output.budget(arrival.limit)
         tokens = len(arrival.prompt_ids) + output
-        target: Target = self.policy.select(
-            self.pool, RequestInfo(key=arrival.key, text=text, tokens=tokens, now=cluster.now)
+        found = None
+        if self.feed is not None:
+            found = self.feed.prefix(self.pool, arrival.prompt_ids, cluster.now)
+        prefix = found.prefix if found is not None else None
+        info = RequestInfo(
+            key=arrival.key, text=text, tokens=tokens, now=cluster.now, prefix=prefix
         )
+        target: Target = self.policy.select(self.pool, info)
+        if found is not None and self.feed is not None:
+            self.feed.sent(found, target, cluster.now)  # as the router's request path
         guard = Outstanding(target, tokens, output)
         guard.__enter__()
         self.held[id(arrival)] = guard
         self.decisions += 1
+        if len(self.opening) < OPENING:
+            self.opening.append(target.label)
         return self.index[target.worker.id], target.rank
 
     def finished(self, arrival: Arrival, req: SimRequest) -> None:
@@ -101,9 +117,34 @@ class Sessions(Protocol):
 
 
 def run_sessions(
-    configs: Sequence[EngineConfig], router: SimRouter, sessions: Sessions
+    configs: Sequence[EngineConfig],
+    router: SimRouter,
+    sessions: Sessions,
+    flushes: Sequence[tuple[float, Sequence[int]]] = (),
 ) -> tuple[SimReport, OfflineSim]:
-    sim = OfflineSim(list(configs), router.route)
+    """``flushes``: at each virtual time (taken at the first arrival from then on), these
+    engines reset their prefix caches, as ``/reset_prefix_cache`` does; the router is not
+    told, only their KV events say so."""
+    feed = router.feed
+    sim = OfflineSim(
+        list(configs),
+        router.route,
+        on_step=feed.collect if feed is not None else None,
+        kv_events=feed is not None,
+    )
+    due = sorted(flushes, key=lambda f: f[0], reverse=True)
+    if due:
+
+        def route(cluster: Cluster, arrival: Arrival) -> tuple[int, int | None]:
+            while due and due[-1][0] <= cluster.now:
+                for e in due.pop()[1]:
+                    engine = cluster.engines[e]
+                    engine.reset_prefix_cache()
+                    if feed is not None:
+                        feed.collect(e, engine.ranks, cluster.now)
+            return router.route(cluster, arrival)
+
+        sim.route = route
 
     def finished(arrival: Arrival, req: SimRequest) -> None:
         router.finished(arrival, req)

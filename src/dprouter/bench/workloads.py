@@ -123,3 +123,37 @@ class ChatSessions:
         s.context = s.context + tokens(self._rng, done.max_tokens + self._rng.randint(20, 120))
         when = now + self._rng.expovariate(1 / self.think)
         return Arrival(when, list(s.context), self._rng.randint(40, 240), key=s.key)
+
+
+@dataclass
+class HotPrompt:
+    """One long system prompt shared by every request, ``concurrency`` clients each
+    sending its next request as soon as the last is answered, ``requests`` in all: a
+    chat product's opening burst."""
+
+    requests: int = 400
+    concurrency: int = 64
+    system_len: int = 20_000
+    seed: int = 0
+    _rng: random.Random = field(init=False)
+    _system: list[int] = field(init=False)
+    _sent: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._system = tokens(self._rng, self.system_len)
+        self._sent = 0
+
+    def _request(self, client: str, when: float) -> Arrival:
+        self._sent += 1
+        prompt = self._system + tokens(self._rng, self._rng.randint(20, 120))
+        return Arrival(when, prompt, self._rng.randint(40, 240), key=client)
+
+    def first_turns(self) -> list[Arrival]:
+        starts = sorted(self._rng.uniform(0, 0.05) for _ in range(self.concurrency))
+        return [self._request(f"client-{i}", t) for i, t in enumerate(starts)]
+
+    def next_turn(self, done: Arrival, req: SimRequest, now: float) -> Arrival | None:
+        if self._sent >= self.requests:
+            return None
+        return self._request(done.key or "", now)

@@ -11,18 +11,28 @@ the rank did not say it holds, and a rank dropped is emptied at once.
 Memory is bounded: past ``capacity`` (blocks over all ranks) new blocks are not
 indexed -- the index then under-reports, which costs a cache miss, never a wrong
 claim. About 200 bytes a block held by one rank (docs/kv-events.md: measured).
+
+Pending blocks are the router's own knowledge beside the events': a prompt's blocks
+sent to a rank that its events have not stored yet (``expect``). They count as held
+there, and as prefill queued there, until the rank's events store them, until a
+removal, a flush or the rank's end says otherwise, or ``ttl`` seconds at the latest --
+so a pending block never outlives what the events say.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from dprouter.kvevents.keys import chain, root
 from dprouter.kvevents.wire import Cleared, Event, Hash, Removed, Stored
 
 DEPTH_BITS = 32
 DEPTH = (1 << DEPTH_BITS) - 1
+PENDING_TTL = 10.0  # seconds: longer than a long prompt's queue and prefill (measured)
 GPU = (None, "GPU", "gpu")  # what a prompt can hit at once; a CPU tier's blocks are not counted
 
 
@@ -35,6 +45,7 @@ class Rank:
     blocks: dict[Hash, int] = field(default_factory=dict)  # engine hash -> key
     block_size: int = 0  # 0: no block stored yet
     orphans: int = 0  # blocks stored under a parent never seen (a replay may bring it)
+    pending: dict[int, float] = field(default_factory=dict)  # key -> when it expires
 
 
 @dataclass
@@ -48,9 +59,15 @@ class Counts:
 
 
 class KvIndex:
-    def __init__(self, capacity: int = 4_000_000) -> None:
+    def __init__(self, capacity: int = 4_000_000, ttl: float = PENDING_TTL) -> None:
         self.capacity = capacity
+        self.ttl = ttl  # pending blocks expire after this many seconds (0: none kept)
         self.entries: dict[int, int] = {}  # key -> holders mask << DEPTH_BITS | depth
+        self.pending: dict[int, int] = {}  # key -> mask of the ranks it is pending on
+        # pending tokens by rank bit, for a pool to gather in one step; the last entry
+        # stays 0, for the pool's targets with no rank in the index
+        self.queue = np.zeros(64, np.int64)
+        self._expiry: deque[tuple[float, Rank, int]] = deque()  # in expiry order
         self.ranks: dict[tuple[str, int], Rank] = {}
         self.size = 0  # blocks held over all ranks
         self.version = 0  # bumped when a rank joins, leaves or sizes its blocks
@@ -65,6 +82,8 @@ class KvIndex:
             bit = self._free.pop() if self._free else self._next
             self._next += bit == self._next
             found = self.ranks[name] = Rank(name, bit)
+            if bit + 2 > len(self.queue):
+                self.queue = np.concatenate([self.queue, np.zeros_like(self.queue)])
             self.version += 1
         return found
 
@@ -123,6 +142,8 @@ class KvIndex:
                 self.counts.dropped += n - i
                 return
             rank.blocks[h] = key
+            if rank.pending:
+                self._settle(rank, key)
             held = entries.get(key, 0) >> DEPTH_BITS
             entries[key] = (held | bit) << DEPTH_BITS | (depth + (i + 1) * e.block_size)
             self.size += 1
@@ -132,6 +153,8 @@ class KvIndex:
         for h in hashes:
             key = rank.blocks.pop(h, None)
             if key is not None:
+                if rank.pending:
+                    self._settle(rank, key)
                 self._release(key, ~(1 << rank.bit))
                 self.size -= 1
                 self.counts.removed += 1
@@ -143,6 +166,52 @@ class KvIndex:
         self.size -= len(rank.blocks)
         rank.blocks = {}
         rank.orphans = 0
+        keep, pending = ~(1 << rank.bit), self.pending
+        for key in rank.pending:
+            if held := pending[key] & keep:
+                pending[key] = held
+            else:
+                del pending[key]
+        rank.pending = {}
+        self.queue[rank.bit] = 0
+
+    def expect(self, rank: Rank, keys: Sequence[int], now: float) -> None:
+        """The prompt whose block keys are ``keys`` was sent to ``rank`` at ``now``: its
+        blocks the rank does not hold are pending there."""
+        self.expire(now)
+        if not self.ttl:
+            return
+        bit, until = 1 << rank.bit, now + self.ttl
+        entries, pending, mine = self.entries, self.pending, rank.pending
+        for key in keys:
+            if (entries.get(key, 0) >> DEPTH_BITS) & bit:
+                continue
+            mine.pop(key, None)  # a key sent again moves to the back: dicts keep order
+            mine[key] = until
+            pending[key] = pending.get(key, 0) | bit
+            self._expiry.append((until, rank, key))
+        self.queue[rank.bit] = len(mine) * rank.block_size
+
+    def expire(self, now: float) -> None:
+        """Pending blocks past their time are dropped (O(1) each)."""
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            until, rank, key = expiry.popleft()
+            if rank.pending.get(key) == until:
+                self._settle(rank, key)
+
+    def queued(self, rank: Rank) -> int:
+        """Tokens of ``rank``'s pending blocks: prefill sent there and not yet done."""
+        return len(rank.pending) * rank.block_size
+
+    def _settle(self, rank: Rank, key: int) -> None:
+        """``key`` is no longer pending on ``rank`` (stored, removed or expired)."""
+        if rank.pending.pop(key, None) is not None:
+            self.queue[rank.bit] = len(rank.pending) * rank.block_size
+            if held := self.pending[key] & ~(1 << rank.bit):
+                self.pending[key] = held
+            else:
+                del self.pending[key]
 
     def _release(self, key: int, keep: int) -> None:
         entry = self.entries[key]
@@ -153,13 +222,15 @@ class KvIndex:
             del self.entries[key]
 
     def match(self, keys: Iterable[int], among: int) -> dict[int, int]:
-        """How many of the leading ``keys`` each rank of the mask ``among`` holds, by
-        rank bit (ranks holding none are left out): O(blocks matched)."""
+        """How many of the leading ``keys`` each rank of the mask ``among`` holds or has
+        pending, by rank bit (ranks holding none are left out): O(blocks matched)."""
         held: dict[int, int] = {}
-        alive, entries = among, self.entries
+        alive, entries, pending = among, self.entries, self.pending
         depth = 0
         for key in keys:
             holders = (entries.get(key, 0) >> DEPTH_BITS) & alive
+            if pending:
+                holders |= pending.get(key, 0) & alive
             gone = alive & ~holders
             if gone and depth:
                 while gone:

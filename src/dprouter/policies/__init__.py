@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dprouter.policies.base import Policy, PolicyOptions, Prefix, RequestInfo, needs_tokens
+from dprouter.policies.base import (
+    Policy,
+    PolicyOptions,
+    Prefix,
+    Queued,
+    QueuedBy,
+    RequestInfo,
+    needs_tokens,
+)
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.consistent_hash import ConsistentHash
 from dprouter.policies.least_load import LeastLoad
@@ -45,6 +53,8 @@ __all__ = [
     "Policy",
     "PolicyOptions",
     "Prefix",
+    "Queued",
+    "QueuedBy",
     "RequestInfo",
     "make_policy",
     "needs_tokens",

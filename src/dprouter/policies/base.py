@@ -17,14 +17,33 @@ from dprouter.targets import Target
 Assignment = Literal["random", "min_load", "min_group"]
 
 
+class Queued(Protocol):
+    """Prompt tokens the router sent to each target that its events have not stored yet:
+    the target's prefill still to do, as a row in the order of any pool."""
+
+    def of(self, targets: Sequence[Target]) -> npt.NDArray[np.int64]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedBy:
+    """A literal ``Queued``: tokens by target label (a target left out has none)."""
+
+    tokens: Mapping[str, int]
+
+    def of(self, targets: Sequence[Target]) -> npt.NDArray[np.int64]:
+        return np.array([self.tokens.get(t.label, 0) for t in targets], np.int64)
+
+
 @dataclass(frozen=True, slots=True)
 class Prefix:
     """How much of a prompt each target holds in its KV cache, as its engine's events
-    said: ``held[label]`` of the prompt's ``tokens``, in leading blocks (a target holding
-    none is left out)."""
+    said or the router has sent there since (pending): ``held[label]`` of the prompt's
+    ``tokens``, in leading blocks (a target holding none is left out); ``queued``: each
+    target's pending tokens (None: nothing pending anywhere)."""
 
     tokens: int
     held: Mapping[str, int]
+    queued: Queued | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,10 +68,11 @@ class PolicyOptions:
     cache_threshold: float = 0.5  # cache_aware: least prefix share that keeps affinity
     cache_bound: float = 1.5  # cache_aware: affinity holds while the holder's load is at
     # most bound x (the pool's mean load + 1)
-    prefix_weight: float = 1.0  # prefix: worth of holding the whole prompt...
+    prefix_weight: float = 4.0  # prefix: worth of holding the whole prompt...
     prefix_bound: float = 1.5  # ...counted while the target's load <= bound x (mean + 1)
     load_weight: float = 1.0  # prefix: cost of requests in flight, relative to the mean
     token_weight: float = 1.0  # prefix: cost of tokens in flight, relative to the mean
+    queue_weight: float = 1.0  # prefix: cost of prefill queued, in prompts like this one
 
 
 class Policy(Protocol):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.engine import Engine, Stepper, StepPlan
+from dprouter.sim.rank import Rank
 from dprouter.sim.report import RankUse, SimReport, summarise
 from dprouter.sim.request import SimRequest
 
@@ -40,6 +41,7 @@ class Cluster:
 
 Route = Callable[[Cluster, Arrival], tuple[int, int | None]]
 OnFinish = Callable[[Arrival, SimRequest], None]
+OnStep = Callable[[int, Sequence[Rank], float], None]  # (engine index, its ranks, now)
 INF = float("inf")
 MAX_STEPS = 1 << 20  # decode-only runs are simulated as one event until the first finish
 
@@ -59,10 +61,17 @@ class OfflineSim:
     route: Route
     on_finish: OnFinish | None = None  # e.g. to release a router's outstanding count
     max_steps: int = MAX_STEPS  # 1 simulates every decode step as its own event
+    # sees the ranks of every step that ends; with ``kv_events`` their caches keep a
+    # journal of what they stored and evicted, for it to take (the engines' KV events)
+    on_step: OnStep | None = None
+    kv_events: bool = False
     cluster: Cluster = field(init=False)
 
     def __post_init__(self) -> None:
-        engines = [Engine(c, f"engine-{i}", track_tokens=False) for i, c in enumerate(self.configs)]
+        engines = [
+            Engine(c, f"engine-{i}", track_tokens=False, record_events=self.kv_events)
+            for i, c in enumerate(self.configs)
+        ]
         self.cluster = Cluster(engines)
         self._usage = {(e, r.index): _Usage() for e, eng in enumerate(engines) for r in eng.ranks}
         self._owner = {id(s): e for e, eng in enumerate(engines) for s in eng.steppers}
@@ -104,6 +113,8 @@ class OfflineSim:
                 use.load_area += (part.waiting + part.running) * plan.duration
                 use.max_load = max(use.max_load, part.waiting + part.running)
             events = engines[e].end(plan, t)
+            if self.on_step is not None:
+                self.on_step(e, stepper.ranks, t)
             for req in events.finished:
                 done.append(req)
                 if self.on_finish is not None:
