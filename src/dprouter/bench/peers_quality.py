@@ -89,13 +89,6 @@ PREFIX_RUNS = (
     Run("dprouter, cache_aware", "dprouter", ("--policy", "cache_aware")),
     Run("dprouter, consistent_hash", "dprouter", ("--policy", "consistent_hash")),
     Run("dprouter, prefix", "dprouter", ("--policy", "prefix"), events=True),
-    # a held prefix worth four times the default: sessions keep their rank against load
-    Run(
-        "dprouter, prefix, --prefix-weight 4",
-        "dprouter",
-        ("--policy", "prefix", "--prefix-weight", "4"),
-        events=True,
-    ),
     Run("smg 1.13.0 --dp-aware, cache_aware", "smg", ("cache_aware", "dp-aware")),
     Run("smg 1.13.0 --dp-aware, prefix_hash", "smg", ("prefix_hash", "dp-aware")),
     Run(
@@ -210,7 +203,6 @@ QUICK = {
     "dprouter, least_load, --processes 2",
     "dprouter, cache_aware",
     "dprouter, prefix",
-    "dprouter, prefix, --prefix-weight 4",
     "smg 1.13.0 --dp-aware, manual",
     "smg 1.13.0 --dp-aware, cache_aware",
     "SGLang gateway 0.3.2 --dp-aware, manual",
