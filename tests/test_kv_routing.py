@@ -482,3 +482,32 @@ async def test_a_worker_added_through_the_admin_api_has_its_events_followed(
         assert r.status == 200
     assert await until(lambda: not feed.streams and feed.index.size == 0)
     assert not feed.index.ranks
+
+
+async def test_two_replicas_build_the_same_index_and_agree_where_a_prompt_goes(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,
+    tok: ModelTokenizer,
+) -> None:
+    """Issue 17 item 5: replicas exchange nothing, yet each builds the index from the same
+    events -- so a prompt sent through one replica is routed to its holder by the other
+    (a failover keeps the affinity)."""
+    cluster = await start_cluster([engine("vllm", tokenizer_dir)])
+    server = cluster[0]
+    first = await start_router(prefix_config(tokenizer_dir, spec(server)))
+    second = await start_router(prefix_config(tokenizer_dir, spec(server)))
+    load = Workload(tok)
+    await mixed(http, first.url, load, 3)
+    feeds = (feed_of(first), feed_of(second))
+    assert await until(lambda: all(agrees(f, server) for f in feeds)), [
+        differences(f, server) for f in feeds
+    ]
+    doc = words(9, 400)
+    holder = (await send(http, first.url, {"prompt": doc}))["rank"]
+    assert await until(lambda: matched(feeds[1], "w0", tok.encode(doc)).get(holder, 0) > 0)
+    for i in range(3):  # the second replica never saw this prompt: the events told it
+        answer = await send(http, second.url, {"prompt": f"{doc} and question {i}"})
+        assert answer["rank"] == holder
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
