@@ -261,3 +261,28 @@ def test_the_queue_row_follows_pending_blocks_by_rank_bit() -> None:
     assert index.queue[rank.bit] == 32
     index.apply(rank, [Cleared()])
     assert index.queue[rank.bit] == 0
+
+
+def test_a_configured_block_size_makes_pending_blocks_count_before_any_event() -> None:
+    """kv_block_size: the first burst on a prefix, before any rank has published, still
+    sees what the router sent (without it nothing could be pending on a silent rank)."""
+    index = KvIndex()
+    index.expect_size("w0", 16)
+    silent = index.rank("w0", 0)
+    assert silent.block_size == 16 and not silent.blocks
+    keys = prompt_keys(np.array(PROMPT), 16)
+    index.expect(silent, keys, 100.0)
+    assert index.match(keys, 1 << silent.bit) == {silent.bit: 4}
+    assert index.queued(silent) == 4 * 16
+
+
+def test_one_ranks_first_event_sizes_its_siblings_and_overrides_the_configured_size() -> None:
+    index = KvIndex()
+    index.expect_size("w0", 32)
+    a, b, c = index.rank("w0", 0), index.rank("w0", 1), index.rank("w1", 0)
+    assert (a.block_size, b.block_size, c.block_size) == (32, 32, 0)
+    index.apply(a, [Stored([1], None, PROMPT[:16], 16)])  # the engine says 16
+    assert (a.block_size, b.block_size, c.block_size) == (16, 16, 0)
+    assert index.rank("w0", 2).block_size == 16  # a rank listed later takes it too
+    index.expect_size("w0", 64)  # configured again: an event's word stands
+    assert b.block_size == 16

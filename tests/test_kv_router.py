@@ -114,3 +114,14 @@ def test_prefix_needs_a_tokenizer_and_the_file_must_be_there(tmp_path: Path) -> 
         validate(RouterConfig(policy="prefix", tokenizers=(f"m={tmp_path}",)))
     with pytest.raises(ConfigError, match="kv_events must be tcp://HOST:PORT or auto"):
         validate(RouterConfig(workers=(WorkerSpec("http://h:1", kv_events="h:1"),)))
+
+
+def test_kv_block_size_is_a_worker_key() -> None:
+    from dprouter.config import parse_worker, validate
+
+    spec = parse_worker("http://h:1,kv_events=tcp://h:5557,kv_block_size=32")
+    assert spec.kv_block_size == 32
+    with pytest.raises(ConfigError, match="kv_block_size must be at least 1"):
+        validate(RouterConfig(workers=(WorkerSpec("http://h:1", kv_block_size=0),)))
+    with pytest.raises(ConfigError, match="must be an integer"):
+        parse_worker("http://h:1,kv_block_size=big")

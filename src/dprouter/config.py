@@ -46,6 +46,9 @@ class WorkerSpec:
     # or auto (vLLM's GET /kv_event_sources says); a replay socket likewise (docs/kv-events.md)
     kv_events: str | None = None
     kv_replay: str | None = None
+    # the engine's KV block size in tokens (vLLM --block-size, SGLang --page-size): known
+    # before the first event, so the blocks a router sends count as pending from the start
+    kv_block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -336,6 +339,8 @@ def check_kv_events(spec: WorkerSpec, url: str) -> None:
             )
     if spec.kv_replay is not None and spec.kv_events is None:
         raise ConfigError(f"worker {url}: kv_replay needs kv_events")
+    if spec.kv_block_size is not None and spec.kv_block_size < 1:
+        raise ConfigError(f"worker {url}: kv_block_size must be at least 1")
 
 
 KUBERNETES = "k8s"
@@ -446,7 +451,7 @@ def load_file(path: Path) -> dict[str, Any]:
     return options
 
 
-INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port", "tp_size")
+INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port", "tp_size", "kv_block_size")
 
 
 def parse_worker(text: str, role: str = "regular") -> WorkerSpec:

@@ -179,4 +179,5 @@ def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
         tp_size=spec.tp_size,
         kv_events=spec.kv_events,
         kv_replay=spec.kv_replay,
+        kv_block_size=spec.kv_block_size,
     )

@@ -54,6 +54,7 @@ class Worker:
     transfer_mode: str | None = None  # MoRIIO: READ or WRITE
     kv_events: str | None = None  # KV-event publisher: tcp://HOST:PORT (rank r: PORT + r), auto
     kv_replay: str | None = None  # its replay socket, likewise
+    kv_block_size: int | None = None  # the engine's block size, before its first event says
     # learnt by discovery
     ranks: int = 0  # DP ranks this endpoint takes (0: not discovered yet)
     dp_attention: bool = False

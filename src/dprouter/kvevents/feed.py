@@ -110,6 +110,9 @@ class Feed:
                 self._start(name, worker)
 
     def _start(self, name: tuple[str, int], worker: Worker) -> None:
+        if worker.kv_block_size:
+            self.index.expect_size(worker.id, worker.kv_block_size)
+            self.index.rank(*name)  # listed at once: empty, but sized for pending blocks
         stream = RankStream(self.ctx, self.index, name, "", probe=self.probe)
         task = asyncio.create_task(self._run(stream, worker), name=f"kv-events {name}")
         self.streams[name] = (stream, task)

@@ -69,6 +69,9 @@ class KvIndex:
         self.queue = np.zeros(64, np.int64)
         self._expiry: deque[tuple[float, Rank, int]] = deque()  # in expiry order
         self.ranks: dict[tuple[str, int], Rank] = {}
+        # each worker's block size, as configured or as its first event said: a rank of it
+        # sizes its blocks before it publishes, so what a router sends there can be pending
+        self.block_sizes: dict[str, int] = {}
         self.size = 0  # blocks held over all ranks
         self.version = 0  # bumped when a rank joins, leaves or sizes its blocks
         self.counts = Counts()
@@ -81,11 +84,24 @@ class KvIndex:
         if found is None:
             bit = self._free.pop() if self._free else self._next
             self._next += bit == self._next
-            found = self.ranks[name] = Rank(name, bit)
+            found = self.ranks[name] = Rank(name, bit, block_size=self.block_sizes.get(worker, 0))
             if bit + 2 > len(self.queue):
                 self.queue = np.concatenate([self.queue, np.zeros_like(self.queue)])
             self.version += 1
         return found
+
+    def _size(self, worker: str, block_size: int) -> None:
+        """One engine, one block size: every rank of ``worker`` takes it."""
+        self.block_sizes[worker] = block_size
+        for rank in self.ranks.values():
+            if rank.name[0] == worker and rank.block_size != block_size:
+                rank.block_size = block_size
+        self.version += 1  # lookups group ranks by block size
+
+    def expect_size(self, worker: str, block_size: int) -> None:
+        """The worker's configured block size (``kv_block_size``), until an event says."""
+        if worker not in self.block_sizes:
+            self._size(worker, block_size)
 
     def drop(self, worker: str, dp_rank: int) -> None:
         """The rank's stream is gone: it holds nothing the router knows of."""
@@ -130,8 +146,7 @@ class KvIndex:
                 return
             parent, depth = known, self.entries[known] & DEPTH
         if rank.block_size != e.block_size:
-            rank.block_size = e.block_size
-            self.version += 1  # lookups group ranks by block size
+            self._size(rank.name[0], e.block_size)
         bit, entries = 1 << rank.bit, self.entries
         for i, (h, key) in enumerate(
             zip(e.hashes, chain(parent, depth, e.tokens, e.block_size), strict=True)
