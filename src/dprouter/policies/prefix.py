@@ -30,8 +30,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dprouter.policies.base import PolicyOptions, Readers, RequestInfo, first_least
+import numpy as np
+import numpy.typing as npt
+
+from dprouter.policies.base import CACHED, PolicyOptions, RequestInfo, first_least
 from dprouter.targets import Target
+
+F64 = npt.NDArray[np.float64]
+
+
+class Rows:
+    """One pool's load and token rows read in one gather (each numpy call on a small
+    array costs about as much as a pass over thousands: the fewer calls, the faster),
+    and the float buffers the score is computed in, kept with the pool."""
+
+    __slots__ = ("both", "cost", "halves", "index", "loads", "pool", "tokens", "where")
+
+    def __init__(self, pool: Sequence[Target]) -> None:
+        board, n = pool[0].board, len(pool)
+        slots = np.array([t.slot for t in pool], np.intp)
+        # positions in ``board.whole``: the pool's loads, then its tokens
+        self.index = np.concatenate([slots + board.load_base, slots + board.token_load_base])
+        self.halves = np.array([0, n], np.intp)
+        self.pool = pool
+        self.both: F64 = np.empty(2 * n)
+        self.loads, self.tokens = self.both[:n], self.both[n:]
+        self.cost: F64 = np.empty(n)
+        self.where = {t.label: i for i, t in enumerate(pool)}  # positions, by label
 
 
 class PrefixPolicy:
@@ -45,37 +70,49 @@ class PrefixPolicy:
         self.token_weight = options.token_weight
         self.queue_weight = options.queue_weight
         self.start = 0
-        self.readers = Readers()
-        self._pool: Sequence[Target] | None = None
-        self._where: dict[str, int] = {}  # the pool's positions, by label
+        self._rows: dict[int, Rows] = {}
+
+    def rows(self, pool: Sequence[Target]) -> Rows:
+        """Kept by pool (identity: a snapshot's pools are kept tuples)."""
+        found = self._rows.get(id(pool))
+        if found is None or found.pool is not pool:
+            if len(self._rows) >= CACHED:
+                self._rows.clear()
+            found = self._rows[id(pool)] = Rows(pool)
+        return found
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
         if len(targets) == 1:
             return targets[0]
-        reader = self.readers.of(targets)
-        loads, tokens = reader.loads(), reader.tokens()
-        # the score negated, as cost (the same floats: negation is exact); an integer
-        # sum over n is the float mean exactly, without numpy's slow mean()
+        rows = self.rows(targets)
+        read = targets[0].board.whole[rows.index]  # loads, then tokens
+        # the integer sums over n are the float means exactly, without numpy's slow mean()
+        load_sum, token_sum = np.add.reduceat(read, rows.halves).tolist()
         n = len(targets)
-        mean_load = int(loads.sum()) / n
-        cost = loads * self.load_weight
-        cost /= mean_load + 1
-        load_tokens = tokens * self.token_weight
-        load_tokens /= int(tokens.sum()) / n + request.tokens + 1
-        cost += load_tokens
+        mean_load = load_sum / n
+        # the score negated, as cost, in the same float steps as the formula (negation
+        # is exact): load x weight / (mean load + 1) + tokens x weight / (...)
+        rows.both[...] = read
+        loads, tokens, cost = rows.loads, rows.tokens, rows.cost
+        if self.load_weight != 1.0:  # x 1.0 is exact: skipped
+            loads *= self.load_weight
+        loads /= mean_load + 1
+        if self.token_weight != 1.0:
+            tokens *= self.token_weight
+        tokens /= token_sum / n + request.tokens + 1
+        np.add(loads, tokens, out=cost)
         prefix = request.prefix
         if prefix is None:
             return targets[first_least(cost, self.start)]
-        if targets is not self._pool:
-            self._pool, self._where = targets, {t.label: i for i, t in enumerate(targets)}
         if prefix.queued is not None and self.queue_weight:
-            queued = prefix.queued.of(targets) * (self.queue_weight / (request.tokens + 1))
-            cost += queued
+            cost += prefix.queued.of(targets) * (self.queue_weight / (request.tokens + 1))
         if prefix.tokens and prefix.held and self.weight:
+            # the few holders' bonuses, one Python float each (the same IEEE steps)
             limit = self.bound * (mean_load + 1)
+            where = rows.where
             for label, held in prefix.held.items():
-                i = self._where.get(label)
-                if i is not None and loads[i] <= limit:
-                    cost[i] -= self.weight * held / prefix.tokens
+                i = where.get(label)
+                if i is not None and read.item(i) <= limit:
+                    cost[i] = cost.item(i) - self.weight * held / prefix.tokens
         return targets[first_least(cost, self.start)]
