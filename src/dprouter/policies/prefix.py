@@ -49,6 +49,7 @@ class PrefixPolicy:
         self.queue_weight = options.queue_weight
         self.start = 0
         self._rows: dict[int, Rows] = {}
+        self.last: Rows | None = None  # the last decision's pool
 
     def rows(self, pool: Sequence[Target]) -> Rows:
         """Kept by pool (identity: a snapshot's pools are kept tuples)."""
@@ -57,13 +58,16 @@ class PrefixPolicy:
             if len(self._rows) >= CACHED:
                 self._rows.clear()
             found = self._rows[id(pool)] = Rows(pool)
+        self.last = found
         return found
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
         if len(targets) == 1:
             return targets[0]
-        rows = self.rows(targets)
+        rows = self.last
+        if rows is None or rows.pool is not targets:
+            rows = self.rows(targets)
         rows.read(targets[0].board)
         # the sums of integers (well below 2^53) are exact in floats, whatever the order:
         # over n, the float means exactly, without numpy's slow mean()
