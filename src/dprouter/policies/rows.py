@@ -50,8 +50,8 @@ class Rows:
         self.loads, self.tokens = self.both[:n], self.both[n:]
         self.cost: F64 = np.empty(n)
         self.where = {t.label: i for i, t in enumerate(pool)}  # positions, by label
-        found = grid(slots, board.token_load_base - board.load_base, board.load_base)
-        self.grid = found if n >= GRID else None
+        rows = board.token_load_base - board.load_base
+        self.grid = grid(slots, rows, board.load_base) if n >= GRID else None
         self.into = self.both if self.grid is None else self.both.reshape(self.grid[0])
 
     def read(self, board: Board) -> None:
