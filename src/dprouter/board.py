@@ -64,6 +64,7 @@ class Board:
         raw.release()
         self.cells = self._view.cast("q")  # one cell at a time, at C speed
         whole: I64 = np.frombuffer(self._view, np.int64)
+        self.whole = whole  # every cell: a gather over two rows reads both in one step
         own = rows * slots
         self.own_inflight = whole[:own].reshape(rows, slots)
         self.own_tokens = whole[own : 2 * own].reshape(rows, slots)
@@ -97,7 +98,7 @@ class Board:
 
     def close(self) -> None:
         """Let go of the buffer (shared memory cannot be closed while views of it live)."""
-        del self.own_inflight, self.own_tokens, self.inflight, self.tokens
+        del self.whole, self.own_inflight, self.own_tokens, self.inflight, self.tokens
         del self.reported, self.load, self.base, self.reported_tokens, self.token_load
         del self.token_base
         self.load_cells.release()

@@ -166,7 +166,7 @@ def first_least(values: Values, start: int) -> int:
         if first >= r:
             return first
         after = int(values[r:].argmin()) + r
-        return after if values[after] == values[first] else first
+        return after if values.item(after) == values.item(first) else first
     if r == 0:
         return int(values.argmin())
     # the first least from r on, and the first before r: one pass over the values in all

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dprouter.policies.base import PolicyOptions, Readers, RequestInfo, first_least
+import numpy as np
+
+from dprouter.policies.base import CACHED, PolicyOptions, RequestInfo, first_least
+from dprouter.policies.rows import Rows
 from dprouter.targets import Target
 
 
@@ -45,37 +48,55 @@ class PrefixPolicy:
         self.token_weight = options.token_weight
         self.queue_weight = options.queue_weight
         self.start = 0
-        self.readers = Readers()
-        self._pool: Sequence[Target] | None = None
-        self._where: dict[str, int] = {}  # the pool's positions, by label
+        self._rows: dict[int, Rows] = {}
+        self.last: Rows | None = None  # the last decision's pool
+
+    def rows(self, pool: Sequence[Target]) -> Rows:
+        """Kept by pool (identity: a snapshot's pools are kept tuples)."""
+        found = self._rows.get(id(pool))
+        if found is None or found.pool is not pool:
+            if len(self._rows) >= CACHED:
+                self._rows.clear()
+            found = self._rows[id(pool)] = Rows(pool)
+        self.last = found
+        return found
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
         if len(targets) == 1:
             return targets[0]
-        reader = self.readers.of(targets)
-        loads, tokens = reader.loads(), reader.tokens()
-        # the score negated, as cost (the same floats: negation is exact); an integer
-        # sum over n is the float mean exactly, without numpy's slow mean()
+        rows = self.last
+        if rows is None or rows.pool is not targets:
+            rows = self.rows(targets)
+        rows.read(targets[0].board)
+        # the sums of integers (well below 2^53) are exact in floats, whatever the order:
+        # over n, the float means exactly, without numpy's slow mean()
+        load_sum, token_sum = np.add.reduceat(rows.both, rows.halves).tolist()
         n = len(targets)
-        mean_load = int(loads.sum()) / n
-        cost = loads * self.load_weight
-        cost /= mean_load + 1
-        load_tokens = tokens * self.token_weight
-        load_tokens /= int(tokens.sum()) / n + request.tokens + 1
-        cost += load_tokens
+        mean_load = load_sum / n
+        # the score negated, as cost, in the same float steps as the formula (negation
+        # is exact): load x weight / (mean load + 1) + tokens x weight / (...)
+        loads, tokens, cost = rows.loads, rows.tokens, rows.cost
+        if self.load_weight != 1.0:  # x 1.0 is exact: skipped
+            np.multiply(loads, self.load_weight, out=cost)
+            cost /= mean_load + 1
+        else:
+            np.divide(loads, mean_load + 1, out=cost)
+        if self.token_weight != 1.0:
+            tokens *= self.token_weight
+        tokens /= token_sum / n + request.tokens + 1
+        cost += tokens
         prefix = request.prefix
         if prefix is None:
             return targets[first_least(cost, self.start)]
-        if targets is not self._pool:
-            self._pool, self._where = targets, {t.label: i for i, t in enumerate(targets)}
         if prefix.queued is not None and self.queue_weight:
-            queued = prefix.queued.of(targets) * (self.queue_weight / (request.tokens + 1))
-            cost += queued
+            cost += prefix.queued.of(targets) * (self.queue_weight / (request.tokens + 1))
         if prefix.tokens and prefix.held and self.weight:
+            # the few holders' bonuses, one Python float each (the same IEEE steps)
             limit = self.bound * (mean_load + 1)
+            where = rows.where
             for label, held in prefix.held.items():
-                i = self._where.get(label)
-                if i is not None and loads[i] <= limit:
-                    cost[i] -= self.weight * held / prefix.tokens
+                i = where.get(label)
+                if i is not None and loads.item(i) <= limit:
+                    cost[i] = cost.item(i) - self.weight * held / prefix.tokens
         return targets[first_least(cost, self.start)]
