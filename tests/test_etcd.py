@@ -147,12 +147,14 @@ async def test_a_killed_register_leaves_both_replicas_within_its_ttl(
 async def test_an_engine_failing_its_health_check_is_deregistered(
     start_cluster: StartCluster, etcd: EtcdServer, replicas: Replicas, client: Etcd
 ) -> None:
-    failing = EngineConfig(dp_size=2, faults=Faults(health_fail_after=3.0))
+    # healthy long enough to be registered and routed to first, even on a loaded machine
+    # (at 3 s a clean-clone CI run, beside other work, saw it fail before it was serving)
+    failing = EngineConfig(dp_size=2, faults=Faults(health_fail_after=8.0))
     (engine,) = (await start_cluster([failing])).servers
     (a,) = await replicas(1)
     proc = await register(etcd, f"{engine.url},dialect=vllm")
     try:
-        assert await until(lambda: serving(a, engine.url))
+        assert await until(lambda: serving(a, engine.url), 7.0)
         await said(proc, "fails its health check")
         assert await until(lambda: not serving(a, engine.url), 2.0)
         assert (await client.read(PREFIX))[0] == []  # the key is gone, not just the worker
