@@ -118,7 +118,8 @@ async def relay(
     # a multidict keeps repeated headers (two Set-Cookie, say) that a dict would merge away
     headers = without(upstream.headers, HOP_BY_HOP)
     headers[TARGET_HEADER] = target.label
-    headers.update(extra or {})
+    if extra:
+        headers.update(extra)
     done = False
     try:
         if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
