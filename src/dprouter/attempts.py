@@ -107,7 +107,10 @@ class Rules:
         # fresh reader per attempt; an upload is its own reader
         body = io.BytesIO(data) if isinstance(data, bytes) and len(data) > LARGE else data
         try:
-            async with self._first_byte(data):
+            timer = self._first_byte(data)
+            if timer is NO_TIMER:  # no timer (the default): no context entered, 1 us less
+                return await self.session.request(method, url, data=body, headers=headers)
+            async with timer:
                 return await self.session.request(method, url, data=body, headers=headers)
         except aiohttp.ClientConnectorError as exc:
             raise Failed(target, "connect", f"cannot connect ({exc.os_error})", side) from exc

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from dprouter.drain import grace_over
+from dprouter.parse import Kind
 from dprouter.relay import STREAMING, error
 
 if TYPE_CHECKING:
@@ -19,7 +20,9 @@ STOPPING = {"Retry-After": "1"}  # and Connection: close (see closing)
 Call = Callable[[], Awaitable[web.StreamResponse]]
 
 
-async def guarded(parts: Parts, request: web.Request, call: Call) -> web.StreamResponse:
+async def guarded(parts: Parts, request: web.Request, call: Call | Kind) -> web.StreamResponse:
+    """``call``: what answers, or the kind of request the proxy answers (the hot paths
+    name it rather than pass a partial)."""
     p = parts
     if p.drain.draining:  # a kept-alive connection's next request, after SIGTERM
         p.metrics.rejected.labels("stopping").inc()
@@ -32,6 +35,9 @@ async def guarded(parts: Parts, request: web.Request, call: Call) -> web.StreamR
             message = f"the router is at capacity ({refused}); retry later"
             return error(429, message, headers={"Retry-After": "1"})
         try:  # a stream holds its slot until its last byte
+            if isinstance(call, str):
+                assert p.proxy is not None
+                return await p.proxy.handle(request, call)
             return await call()
         finally:
             p.admission.leave()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -12,7 +11,6 @@ from dprouter.admin import Admin
 from dprouter.follower import AdminRelay
 from dprouter.guard import guarded
 from dprouter.openapi import describe
-from dprouter.parse import Kind
 from dprouter.relay import error
 from dprouter.surface import Surface
 from dprouter.targets import Role
@@ -48,19 +46,15 @@ class Handlers:
             ),
         ]
 
+    # each routed path calls ``guarded`` itself: no intermediate coroutine, no partial
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.routed(request, "completion")
+        return await guarded(self.parts, request, "completion")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self.routed(request, "chat")
+        return await guarded(self.parts, request, "chat")
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self.routed(request, "generate")
-
-    async def routed(self, request: web.Request, kind: Kind) -> web.StreamResponse:
-        proxy = self.parts.proxy
-        assert proxy is not None
-        return await guarded(self.parts, request, partial(proxy.handle, request, kind))
+        return await guarded(self.parts, request, "generate")
 
     async def models(self, _: web.Request) -> web.Response:
         cards = list(self.parts.registry.snapshot.model_cards().values())

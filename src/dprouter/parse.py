@@ -55,8 +55,18 @@ def _typed(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: st
     return value
 
 
+# The checks below take the common case first, a field absent or of exactly its type
+# (what orjson gives), and leave anything else to ``_typed``, which accepts or refuses
+# it as before: a third of ``parse`` was spent in calls that found nothing wrong.
+
+
 def _limit(body: Mapping[str, Any], *names: str, least: int = 1) -> int | None:
     for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if type(value) is int and value >= least:
+            return value
         value = _typed(body, name, (int,), "an integer")
         if value is not None:
             if value < least:
@@ -131,7 +141,11 @@ def routing_key(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | No
                 raise BadRequest(f"{name} must be 1 to {MAX_KEY} characters", name)
             return value
     for name in KEY_FIELDS:
-        value = _typed(body, name, (str,), "a string")
+        value = body.get(name)
+        if value is None:
+            continue
+        if type(value) is not str:
+            value = _typed(body, name, (str,), "a string")
         if value:
             return str(value)[:MAX_KEY]
     return None
@@ -144,8 +158,13 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         raise BadRequest(f"Invalid JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    model = _typed(body, "model", (str,), "a string")
-    stream = bool(_typed(body, "stream", (bool,), "true or false"))
+    model = body.get("model")
+    if model is not None and type(model) is not str:
+        model = _typed(body, "model", (str,), "a string")
+    stream = body.get("stream")
+    if stream is not None and type(stream) is not bool:
+        stream = _typed(body, "stream", (bool,), "true or false")
+    stream = bool(stream)
     if kind in LOOSE:
         limit = _limit(body, "max_output_tokens") if kind == "responses" else None
         output = (DEFAULT_OUTPUT if limit is None else limit) if kind == "responses" else 0

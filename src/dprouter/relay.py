@@ -118,7 +118,8 @@ async def relay(
     # a multidict keeps repeated headers (two Set-Cookie, say) that a dict would merge away
     headers = without(upstream.headers, HOP_BY_HOP)
     headers[TARGET_HEADER] = target.label
-    headers.update(extra or {})
+    if extra:
+        headers.update(extra)
     done = False
     try:
         if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -162,7 +163,9 @@ async def _stream(
     event by default) and spent off the request's count in batches of ``SPEND``:
     one board write per batch, not per token."""
     loop = asyncio.get_running_loop()
-    tail = b"\n\n"  # the last bytes written: an event boundary, or not
+    # the last two chunks written (none is empty): their last two bytes, an event boundary
+    # or not, are only looked at if the stream breaks; no slicing per read
+    before, last = b"", b"\n\n"
     first = True
     events = 0
     idle = take_over(loop, upstream)  # the read timeout, kept for a clock read per read
@@ -173,10 +176,10 @@ async def _stream(
                 first = False
             await resp.write(chunk)
             if idle is not None:  # counted from here: a slow client is not an idle engine
-                idle.touch()
+                idle.last = loop.time()  # ``touch``, without a call per read
             if watch is not None:
                 watch(chunk)
-            tail = chunk[-2:] if len(chunk) > 1 else (tail + chunk)[-2:]
+            before, last = last, chunk
             if counted is not None:
                 events += chunk.count(b"\n\n")
                 if events >= SPEND:
@@ -191,13 +194,13 @@ async def _stream(
             else f"upstream {target.label} closed the stream before it finished"
         )
         resp[CUT] = True  # answered, though badly: the caller counts it against the target
-        await _last_words(resp, tail, sse_error(502, message))
+        await _last_words(resp, (before + last)[-2:], sse_error(502, message))
         return
     except asyncio.CancelledError as exc:
         if grace_over(exc):  # else the client left: nobody to tell
             series.failed("shutdown")
             message = "the router stopped: its grace period ran out before this stream ended"
-            await _last_words(resp, tail, sse_error(503, message))
+            await _last_words(resp, (before + last)[-2:], sse_error(503, message))
         raise  # on, so that the engine is told (connection closed, SGLang aborted)
     finally:
         if idle is not None:
