@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from tokenizers import Tokenizer
 
 from dprouter.bench import peers
 from dprouter.bench.plots import bars
@@ -34,6 +33,7 @@ from dprouter.sim.config import CostModel, EngineConfig, RankLimits
 from dprouter.sim.kvevents import KvEventsConfig
 from dprouter.sim.server import SimServer
 from dprouter.sim.vocab import write_tokenizer
+from dprouter.tokenizer import ModelTokenizer
 
 SCALE = 0.25  # wall seconds per simulated second
 # rollout workloads per run, each on a fresh cluster, by --quick: their rank balance swings
@@ -280,10 +280,10 @@ def tokens_per_word(directory: Path) -> float:
     """What one of the sessions' words costs with the tokenizer in ``directory``: a
     byte-level BPE splits ``w123456`` into several tokens (about 4.7 with the
     simulator's own files), where the built-in rule counts one."""
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer = ModelTokenizer(directory)
     rng = random.Random(0)
     sample = " ".join(f"w{rng.getrandbits(20)}" for _ in range(2000))
-    return len(tokenizer.encode(sample, add_special_tokens=False).ids) / 2000
+    return len(tokenizer.encode(sample, special=False)) / 2000
 
 
 def run(quick: bool, out: Path) -> Result:
