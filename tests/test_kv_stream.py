@@ -144,3 +144,22 @@ async def test_a_silent_stream_that_stops_answering_is_emptied(ctx: zmq.asyncio.
         pub.answering = True  # back: rebuilt from its replay
         await until(lambda: held(index, A) == 1)
         await stop(task)
+
+
+async def test_a_stream_stops_when_cancelled_in_the_middle_of_a_replay(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A removed worker's stream is cancelled whenever it happens to be: here while it
+    probes (replays) every millisecond. On 3.11 ``asyncio.wait_for`` swallowed a cancel
+    that landed as the replay's frames did, and the stream ran on forever."""
+    async with Publisher() as pub:
+        for i in range(50):
+            await pub.publish([stored([100 + i], None, [i, 2, 3, 4])])
+        for trial in range(40):
+            stream = RankStream(ctx, KvIndex(), NAME, pub.endpoint, pub.replay_endpoint, 0.001, 0.5)
+            task = asyncio.create_task(stream.run())
+            RUNNING.append(task)
+            await asyncio.sleep(0.001 + trial * 0.0005)
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=2)
+            assert done, f"trial {trial}: the stream ignored its cancel"

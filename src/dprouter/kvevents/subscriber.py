@@ -198,7 +198,10 @@ class RankStream:
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.timeout)
+                # not wait_for: on 3.11 it swallows a cancel that lands as the frames do,
+                # and the stream would outlive its worker (and hang whoever awaits it)
+                async with asyncio.timeout(self.timeout):
+                    frames = await dealer.recv_multipart()
                 seq = wire.sequence(frames[-2])
                 if seq == END:
                     return True

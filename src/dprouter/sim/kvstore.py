@@ -84,7 +84,8 @@ class KvStore:
             if remaining <= 0:
                 return None
             try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
+                async with asyncio.timeout(remaining):  # keeps a cancel (wait_for on 3.11 may not)
+                    await self._arrived.wait()
             except TimeoutError:
                 return None
         return entry
