@@ -1,5 +1,6 @@
-"""``consistent_hash``'s vector scan skips mix's last step unless two scores share their top
-31 bits: built here on purpose (by inverting mix), the winner must still be ``max``'s."""
+"""``consistent_hash``'s compiled scan picks ``max``'s winner, also where scores share their top
+31 bits (built here on purpose by inverting mix: the numpy scan before it skipped mix's last
+step unless they did) and where two scores are equal (the first wins)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import random
 
 import numpy as np
 
-from dprouter.policies.consistent_hash import MASK, best, mix
+from dprouter.policies.consistent_hash import MASK, mix
+from dprouter.policies.kernels import rendezvous
 
 GOLDEN, M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
@@ -34,7 +36,6 @@ def test_scores_sharing_their_top_bits_still_pick_the_highest_mix() -> None:
         values = near + [rng.getrandbits(62) for _ in range(rng.randint(0, 40))]
         rng.shuffle(values)
         seeds = [seed_for(v) for v in values]
-        n = len(seeds)
-        x, t = np.empty(n, np.uint64), np.empty(n, np.uint64)
-        found = best(np.array(seeds, np.uint64), np.array(0, np.uint64), x, t)
-        assert found == max(range(n), key=lambda j: mix(seeds[j]))
+        seeds += seeds[: rng.randint(0, 2)]  # and equal scores: the first of them wins
+        found = rendezvous(np.array(seeds, np.uint64), np.uint64(0))
+        assert found == max(range(len(seeds)), key=lambda j: mix(seeds[j]))

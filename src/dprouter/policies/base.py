@@ -6,12 +6,12 @@ import random
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from dprouter.policies import kernels
 from dprouter.targets import Target
 
 Assignment = Literal["random", "min_load", "min_group"]
@@ -90,12 +90,8 @@ def needs_tokens(policy: Policy) -> bool:
     return bool(getattr(policy, "needs_tokens", False))
 
 
-LOAD = attrgetter("load")
-SMALL = 128  # pools below this are scanned differently (measured)
 CACHED = 16  # pools a policy keeps readers for (a snapshot's pools; retries make more)
 I64 = npt.NDArray[np.int64]
-# of ints (or of pairs), or an array (of ints or floats)
-Values = list[Any] | tuple[Any, ...] | I64 | npt.NDArray[np.floating[Any]]
 
 
 def rotated(targets: Sequence[Target], start: int) -> Iterable[Target]:
@@ -105,34 +101,25 @@ def rotated(targets: Sequence[Target], start: int) -> Iterable[Target]:
 
 
 class Reader:
-    """One pool's rows of the board, read in the pool's order at C speed (a numpy gather:
-    fancy indexing measured fastest from 64 to 4,096 targets). Every target of a pool is
-    on its registry's board."""
+    """One pool's slots on the board, in the pool's order, for the compiled scans
+    (``kernels``): a row of the board is read through them. Every target of a pool is on
+    its registry's board."""
 
-    __slots__ = ("board", "index", "pool", "worker_index", "worker_slots")
+    __slots__ = ("board", "index", "pool", "worker_index")
 
     def __init__(self, pool: Sequence[Target]) -> None:
         self.pool = pool
         self.board = pool[0].board
         self.index = np.array([t.slot for t in pool], np.intp)
-        self.worker_slots = [t.worker.slot for t in pool]
-        self.worker_index = np.array(self.worker_slots, np.intp)
+        self.worker_index = np.array([t.worker.slot for t in pool], np.intp)
 
-    def read(self, row: I64) -> I64:
-        """Any per-slot row (of the board's size), in the pool's order."""
-        return row[self.index]
+    def least(self, row: I64, start: int) -> int:
+        """Where ``row`` (any per-slot row) is least over the pool, the first at or after
+        ``start`` (wrapping round): a rotating tie-break."""
+        return int(kernels.least_at(row, self.index, start % len(self.pool)))
 
-    def loads(self) -> I64:
-        return self.board.load[self.index]
-
-    def tokens(self) -> I64:
-        """Each target's token load (the board's: engine-reported and the router's)."""
-        return self.board.token_load[self.index]
-
-    def engine_tokens(self, where: npt.NDArray[np.intp] | None = None) -> I64:
-        """The token load of each target's worker (of the pool positions ``where``)."""
-        index = self.worker_index if where is None else self.worker_index[where]
-        return self.board.token_load[index]
+    def total_load(self) -> int:
+        return int(kernels.total(self.board.load, self.index))
 
 
 class Readers:
@@ -150,36 +137,11 @@ class Readers:
         return found
 
 
-def first_least(values: Values, start: int) -> int:
-    """Where the least value is, the first at or after ``start`` (wrapping round): a
-    rotating tie-break, computed in C."""
-    n = len(values)
-    r = start % n
-    if not isinstance(values, np.ndarray):
-        least = min(values)
-        try:
-            return values.index(least, r)
-        except ValueError:
-            return values.index(least)
-    if n < SMALL:  # the first least overall is the answer unless it lies before r
-        first = int(values.argmin())
-        if first >= r:
-            return first
-        after = int(values[r:].argmin()) + r
-        return after if values.item(after) == values.item(first) else first
-    if r == 0:
-        return int(values.argmin())
-    # the first least from r on, and the first before r: one pass over the values in all
-    after = int(values[r:].argmin()) + r
-    before = int(values[:r].argmin())
-    return after if values[after] <= values[before] else before
-
-
 def least_loaded(targets: Sequence[Target], start: int, reader: Reader) -> Target:
     """Fewest outstanding; ties go to the first from ``start`` (callers rotate it)."""
     if len(targets) == 1:
         return targets[0]
-    return targets[first_least(reader.loads(), start)]
+    return targets[reader.least(reader.board.load, start)]
 
 
 def make_rng(options: PolicyOptions) -> random.Random:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from dprouter.policies.base import PolicyOptions, Readers, RequestInfo, first_least
+from dprouter.policies.base import PolicyOptions, Readers, RequestInfo
 from dprouter.targets import Target
 
 BLOCK = 64  # characters per block
@@ -73,14 +73,13 @@ class CacheAware:
 
     def _choose(self, targets: Sequence[Target], blocks: list[int]) -> Target:
         reader = self.readers.of(targets)
-        loads = reader.loads()  # read once: the balance rule sees them all
         match = self._best_match(targets, blocks)
-        if match is not None:
-            held = match.load
-            # the sum before the mean: a sum's item is cheaper than ndarray.mean (measured)
-            if held <= self.bound * (loads.sum().item() / len(targets) + 1):
-                return match  # within the bound: affinity holds
-        return targets[first_least(loads, self.start)]
+        # the balance rule sees every target's load (a compiled sum over the pool)
+        if match is not None and match.load <= self.bound * (
+            reader.total_load() / len(targets) + 1
+        ):
+            return match  # within the bound: affinity holds
+        return targets[reader.least(reader.board.load, self.start)]
 
     def learn(self, target: Target, blocks: list[int]) -> None:
         """Another serving process sent a prompt of these blocks to ``target``."""

@@ -26,7 +26,6 @@ from dprouter.policies.base import (
     Reader,
     Readers,
     RequestInfo,
-    first_least,
     least_loaded,
     make_rng,
 )
@@ -107,13 +106,13 @@ class Manual:
             for t in targets:
                 if self._owner.get(t.slot) is not t:
                     self._own(t)
-        return targets[first_least(reader.read(self.keys_on), self.start)]
+        return targets[reader.least(self.keys_on, self.start)]
 
     def _overloaded(self, targets: Sequence[Target], target: Target) -> bool:
         load = target.board.load_of(target.slot)
         if load < 2:
             return False  # under any bound: no need to read the others
-        total = int(self.readers.of(targets).loads().sum())
+        total = self.readers.of(targets).total_load()
         return load * len(targets) >= self.bound * total + 2 * len(targets)
 
     def _expire(self, now: float) -> None:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dprouter.policies import kernels
 from dprouter.policies.base import PolicyOptions, Readers, RequestInfo
 from dprouter.targets import Target
-
-FEW = 16  # ties up to this many are broken in Python (measured)
 
 
 class MinTokens:
@@ -29,22 +28,10 @@ class MinTokens:
         if len(targets) == 1:
             return targets[0]
         reader = self.readers.of(targets)
-        own = reader.tokens()
-        first = int(own.argmin())
-        found = (own == own[first]).nonzero()[0]
-        if len(found) == 1:
-            return targets[first]
-        # among the targets with the fewest tokens, those of the engine with the fewest:
-        # the first at or after the rotating start
-        r = self.start % len(targets)
-        if len(found) < FEW:  # a few ties: Python beats numpy's per-call cost
-            cells, slots = reader.board.token_load_cells, reader.worker_slots
-            ties: list[int] = found.tolist()
-            engine = [cells[slots[i]] for i in ties]
-            fewest = min(engine)
-            among = [i for i, e in zip(ties, engine, strict=True) if e == fewest]
-            return targets[next((i for i in among if i >= r), among[0])]
-        tied = reader.engine_tokens(found)
-        picked = found[tied == tied[tied.argmin()]]
-        after = int(picked.searchsorted(r))
-        return targets[int(picked[after] if after < len(picked) else picked[0])]
+        # one compiled pass over the board's token row through the pool's slots and its
+        # workers' (numpy's gather, argmin, ties and their engines' gather: ~24 us at 4,096)
+        start = self.start % len(targets)
+        board = reader.board
+        return targets[
+            kernels.fewest_tokens(board.token_load, reader.index, reader.worker_index, start)
+        ]

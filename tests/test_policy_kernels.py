@@ -1,0 +1,103 @@
+"""The policies' compiled scans against their plain definitions, on real boards: the same
+numbers (floats bit for bit, in the formula's steps) and the same picks, ties included."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from dprouter.policies import kernels
+from dprouter.registry import Registry
+from dprouter.targets import Target, Worker
+
+
+def fleet(*dp_sizes: int) -> tuple[Target, ...]:
+    registry = Registry()
+    for i, dp in enumerate(dp_sizes):
+        w = registry.add(Worker(id=f"w{i}", url=f"http://127.0.0.1:{9000 + i}", dialect="vllm"))
+        w.ranks = dp
+        registry.mark_ready(w)
+    return registry.snapshot.pool()
+
+
+def loaded(pool: tuple[Target, ...], rng: random.Random) -> tuple[Target, ...]:
+    for t in pool:
+        t.outstanding = rng.choice((0, 0, 1, 3, 20))
+        t.outstanding_tokens = t.outstanding * rng.randint(200, 4000)
+    return pool
+
+
+def plain_pick(
+    pool: list[Target],
+    request: int,
+    weights: tuple[float, float, float, float],
+    queued: list[int],
+    bonus: dict[int, float],
+    start: int,
+) -> int:
+    """prefix's choice in plain Python, in the kernel's documented float steps."""
+    n = len(pool)
+    mean_load = sum(t.load for t in pool) / n
+    per_load = weights[0] / (mean_load + 1.0)
+    per_token = weights[1] / (sum(t.token_load for t in pool) / n + request + 1.0)
+    per_queued = weights[2] / (request + 1.0)
+    cost: list[float] = []
+    for i, t in enumerate(pool):
+        c = float(t.load) * per_load + float(t.token_load) * per_token
+        if queued:
+            c = c + float(queued[i]) * per_queued
+        if i in bonus and t.load <= weights[3] * (mean_load + 1.0):
+            c = c - bonus[i]
+        cost.append(c)
+    return int(min([*range(start, n), *range(start)], key=lambda i: cost[i]))
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (16,) * 4, (16,) * 40, (8, 16, 4)])
+@pytest.mark.parametrize("weights", [(1.0, 1.0, 1.0, 1.5), (0.7, 2.5, 3.0, 1.2)])
+def test_prefix_pick_is_the_plain_definition(
+    shape: tuple[int, ...], weights: tuple[float, float, float, float]
+) -> None:
+    rng = random.Random(len(shape))
+    pool = list(fleet(*shape))
+    rng.shuffle(pool)  # any order: the pool's, not the board's
+    slots = np.array([t.slot for t in pool], np.intp)
+    n, board = len(pool), pool[0].board
+    where, bonus = np.zeros(n, np.intp), np.zeros(n)
+    i64 = [np.zeros(n, np.int64) for _ in range(2)]
+    for step in range(60):
+        loaded(tuple(pool), rng)
+        queued = [rng.choice((0, 0, 512)) for _ in pool] if step % 2 else []
+        holders = {i: rng.choice((0.5, 1.0, 4.0)) for i in rng.sample(range(n), min(n, 3))}
+        for k, (i, b) in enumerate(holders.items()):
+            where[k], bonus[k] = i, b
+        start = step % n
+        found = kernels.prefix_pick(
+            board.load,
+            board.token_load,
+            slots,
+            1234,
+            np.array(weights),
+            np.array(queued, np.int64),
+            where,
+            bonus,
+            len(holders),
+            start,
+            *i64,
+            np.zeros(n),
+        )
+        assert found == plain_pick(pool, 1234, weights, queued, holders, start)
+
+
+@pytest.mark.parametrize("n", [2, 5, 64, 4096])
+def test_first_least_takes_the_first_from_a_rotating_start(n: int) -> None:
+    rng = random.Random(n)
+    for values in (
+        np.array([rng.choice((0, 1, 1, 2)) for _ in range(n)], np.int64),
+        np.array([rng.choice((0.5, 0.25, 1.0)) for _ in range(n)], np.float64),
+    ):
+        for start in {0, 1, n // 2, n - 1}:
+            order = [*range(start, n), *range(start)]
+            want = min(order, key=lambda i: float(values[i]))
+            assert kernels.first_least(values, start) == want
