@@ -37,5 +37,7 @@ def test_scores_sharing_their_top_bits_still_pick_the_highest_mix() -> None:
         rng.shuffle(values)
         seeds = [seed_for(v) for v in values]
         seeds += seeds[: rng.randint(0, 2)]  # and equal scores: the first of them wins
-        found = rendezvous(np.array(seeds, np.uint64), np.uint64(0))
+        found = rendezvous(
+            np.array(seeds, np.uint64), np.uint64(0), np.zeros(len(seeds), np.uint64)
+        )
         assert found == max(range(len(seeds)), key=lambda j: mix(seeds[j]))

@@ -62,30 +62,27 @@ def test_prefix_pick_is_the_plain_definition(
     rng = random.Random(len(shape))
     pool = list(fleet(*shape))
     rng.shuffle(pool)  # any order: the pool's, not the board's
-    slots = np.array([t.slot for t in pool], np.intp)
     n, board = len(pool), pool[0].board
-    where, bonus = np.zeros(n, np.intp), np.zeros(n)
-    i64 = [np.zeros(n, np.int64) for _ in range(2)]
+    ints, floats = np.zeros((4, n), np.int64), np.zeros((2, n))
+    ints[0] = [t.slot for t in pool]
     for step in range(60):
         loaded(tuple(pool), rng)
         queued = [rng.choice((0, 0, 512)) for _ in pool] if step % 2 else []
         holders = {i: rng.choice((0.5, 1.0, 4.0)) for i in rng.sample(range(n), min(n, 3))}
         for k, (i, b) in enumerate(holders.items()):
-            where[k], bonus[k] = i, b
+            ints[3, k], floats[1, k] = i, b
         start = step % n
         found = kernels.prefix_pick(
-            board.load,
-            board.token_load,
-            slots,
-            1234,
-            np.array(weights),
+            board.whole,
+            board.load_base,
+            board.token_load_base,
+            ints,
+            floats,
             np.array(queued, np.int64),
-            where,
-            bonus,
+            1234,
+            *weights,
             len(holders),
             start,
-            *i64,
-            np.zeros(n),
         )
         assert found == plain_pick(pool, 1234, weights, queued, holders, start)
 

@@ -105,13 +105,14 @@ class Reader:
     (``kernels``): a row of the board is read through them. Every target of a pool is on
     its registry's board."""
 
-    __slots__ = ("board", "index", "pool", "worker_index")
+    __slots__ = ("board", "index", "pool", "scratch", "worker_index")
 
     def __init__(self, pool: Sequence[Target]) -> None:
         self.pool = pool
         self.board = pool[0].board
         self.index = np.array([t.slot for t in pool], np.intp)
         self.worker_index = np.array([t.worker.slot for t in pool], np.intp)
+        self.scratch = np.zeros(len(pool), np.int64)  # a row read for a scan
 
     def least(self, row: I64, start: int) -> int:
         """Where ``row`` (any per-slot row) is least over the pool, the first at or after

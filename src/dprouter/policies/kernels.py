@@ -41,38 +41,66 @@ def _total(row: Any, slots: Any) -> int:
     return found
 
 
-def _fewest_tokens(tokens: Any, slots: Any, workers: Any, start: int) -> int:
+def _fewest_tokens(tokens: Any, slots: Any, workers: Any, start: int, scratch: Any) -> int:
     """The target with the fewest tokens, then whose worker has the fewest, the first from
-    ``start`` (wrapping): ``tokens`` a board row, ``slots``/``workers`` the pool's."""
+    ``start`` (wrapping): ``tokens`` a board row, ``slots``/``workers`` the pool's. The
+    pool's tokens gathered, their least with four independent minima, then the tie-break
+    among the targets holding it (a third faster than one loop comparing as it goes)."""
     n = slots.shape[0]
-    best = start
-    least, engine = tokens[slots[start]], tokens[workers[start]]
-    for k in range(1, n):
-        i = start + k
-        if i >= n:
-            i -= n
-        t = tokens[slots[i]]
-        if t < least or (t == least and tokens[workers[i]] < engine):
-            best, least, engine = i, t, tokens[workers[i]]
+    for i in range(n):
+        scratch[i] = tokens[slots[i]]
+    m0 = m1 = m2 = m3 = scratch[0]
+    i = 0
+    while i + 4 <= n:
+        a, b, c, d = scratch[i], scratch[i + 1], scratch[i + 2], scratch[i + 3]
+        m0 = a if a < m0 else m0
+        m1 = b if b < m1 else m1
+        m2 = c if c < m2 else m2
+        m3 = d if d < m3 else m3
+        i += 4
+    for j in range(i, n):
+        m0 = scratch[j] if scratch[j] < m0 else m0
+    least = min(min(m0, m1), min(m2, m3))
+    best, engine, distance = -1, 0, n
+    for j in range(n):
+        if scratch[j] == least:
+            e = tokens[workers[j]]
+            d = j - start if j >= start else j - start + n
+            if best < 0 or e < engine or (e == engine and d < distance):
+                best, engine, distance = j, e, d
     return best
 
 
-def _rendezvous(seeds: Any, key: np.uint64) -> int:
-    """Where splitmix64(key ^ seed) is highest, the first of equal scores."""
+def _rendezvous(seeds: Any, key: np.uint64, scores: Any) -> int:
+    """Where splitmix64(key ^ seed) is highest, the first of equal scores: every score
+    first (a loop with no branch, vectorised), then the highest with four independent
+    maxima, then where it is -- twice as fast as one loop keeping the best as it goes."""
     golden = np.uint64(0x9E3779B97F4A7C15)
     m1 = np.uint64(0xBF58476D1CE4E5B9)
     m2 = np.uint64(0x94D049BB133111EB)
     s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
-    best = 0
-    top = np.uint64(0)
-    for i in range(seeds.shape[0]):
+    n = seeds.shape[0]
+    for i in range(n):
         x = (seeds[i] ^ key) + golden
         x = (x ^ (x >> s30)) * m1
         x = (x ^ (x >> s27)) * m2
-        x = x ^ (x >> s31)
-        if x > top or i == 0:
-            best, top = i, x
-    return best
+        scores[i] = x ^ (x >> s31)
+    t0 = t1 = t2 = t3 = scores[0]
+    i = 0
+    while i + 4 <= n:
+        a, b, c, d = scores[i], scores[i + 1], scores[i + 2], scores[i + 3]
+        t0 = a if a > t0 else t0
+        t1 = b if b > t1 else t1
+        t2 = c if c > t2 else t2
+        t3 = d if d > t3 else t3
+        i += 4
+    for j in range(i, n):
+        t0 = scores[j] if scores[j] > t0 else t0
+    top = max(max(t0, t1), max(t2, t3))
+    for j in range(n):
+        if scores[j] == top:
+            return j
+    return 0
 
 
 def _first_least(values: Any, start: int) -> int:
@@ -103,49 +131,55 @@ def _first_least(values: Any, start: int) -> int:
 
 
 def _prefix_pick(
-    load: Any,
-    token_load: Any,
-    slots: Any,
-    request_tokens: int,
-    weights: Any,
+    whole: Any,
+    load_base: int,
+    token_base: int,
+    ints: Any,
+    floats: Any,
     queued: Any,
-    where: Any,
-    bonus: Any,
+    request_tokens: int,
+    load_weight: float,
+    token_weight: float,
+    queue_weight: float,
+    bound: float,
     held: int,
     start: int,
-    loads: Any,
-    tokens: Any,
-    cost: Any,
 ) -> int:
     """``prefix``'s choice over the pool (the formula is in ``PrefixPolicy``'s docstring).
 
-    ``weights``: load, token, queue weight and the bound; ``queued``: each target's
-    prefill queued (empty: none anywhere); ``bonus[:held]`` for the targets at
-    ``where[:held]``, counted while their load is within bound x (mean load + 1).
-    ``loads``, ``tokens``, ``cost``: scratch of the pool's size. The terms are products
-    with one quotient each (a division per target was half the time: a division costs
-    what eight products do), in these steps: load x (load weight / (mean load + 1)) +
-    tokens x (token weight / (mean tokens + request tokens + 1)) + queued x (queue weight /
-    (request tokens + 1)) - bonus."""
+    ``whole``: the board's cells, its load row at ``load_base``, its token row at
+    ``token_base``; ``ints``: the pool's slots, then scratch for its loads and tokens,
+    then the positions of the targets holding part of the prompt; ``floats``: scratch
+    for the costs, then those holders' bonuses (``held`` of them), counted while their
+    load is within ``bound`` x (mean load + 1); ``queued``: each target's prefill queued
+    (empty: none anywhere). Few arguments, each array packed: unpacking an array
+    argument costs ~0.25 us a call, more than the whole scan at 64 targets.
+
+    Each term is a product with one quotient (a division per target took half the time:
+    a division costs what eight products do), in these steps: load x (load weight /
+    (mean load + 1)) + tokens x (token weight / (mean tokens + request tokens + 1)) +
+    queued x (queue weight / (request tokens + 1)) - bonus."""
+    slots, loads, tokens, where = ints[0], ints[1], ints[2], ints[3]
+    cost, bonus = floats[0], floats[1]
     n = slots.shape[0]
     load_sum = 0
     token_sum = 0
     for i in range(n):  # the gather, with integer sums (exact)
-        a, b = load[slots[i]], token_load[slots[i]]
+        a, b = whole[load_base + slots[i]], whole[token_base + slots[i]]
         load_sum += a
         token_sum += b
         loads[i] = a
         tokens[i] = b
     mean_load = float(load_sum) / n
-    per_load = weights[0] / (mean_load + 1.0)
-    per_token = weights[1] / (float(token_sum) / n + request_tokens + 1.0)
+    per_load = load_weight / (mean_load + 1.0)
+    per_token = token_weight / (float(token_sum) / n + request_tokens + 1.0)
     for i in range(n):  # contiguous: vectorised
         cost[i] = loads[i] * per_load + tokens[i] * per_token
     if queued.shape[0] == n:
-        per_queued = weights[2] / (request_tokens + 1.0)
+        per_queued = queue_weight / (request_tokens + 1.0)
         for i in range(n):
             cost[i] = cost[i] + queued[i] * per_queued
-    limit = weights[3] * (mean_load + 1.0)
+    limit = bound * (mean_load + 1.0)
     for k in range(held):
         i = where[k]
         if loads[i] <= limit:
@@ -157,8 +191,8 @@ JIT = njit(cache=True, nogil=True, boundscheck=False)
 first_least: Callable[[Any, int], int] = JIT(_first_least)
 least_at: Callable[[Any, Any, int], int] = JIT(_least_at)
 total: Callable[[Any, Any], int] = JIT(_total)
-fewest_tokens: Callable[[Any, Any, Any, int], int] = JIT(_fewest_tokens)
-rendezvous: Callable[[Any, np.uint64], int] = JIT(_rendezvous)
+fewest_tokens: Callable[[Any, Any, Any, int, Any], int] = JIT(_fewest_tokens)
+rendezvous: Callable[[Any, np.uint64, Any], int] = JIT(_rendezvous)
 prefix_pick: Callable[..., int] = JIT(_prefix_pick)
 
 
@@ -166,10 +200,12 @@ prefix_pick: Callable[..., int] = JIT(_prefix_pick)
 def warm() -> None:
     """Load (or compile) every kernel with the types the policies call it with: once per
     process, when its first policy is made (~0.25 s from the disk cache), not on a request."""
-    i64, f64 = np.zeros(2, np.int64), np.zeros(2, np.float64)
+    i64 = np.zeros(2, np.int64)
     slots = np.zeros(2, np.intp)
     least_at(i64, slots, 1)
     total(i64, slots)
-    fewest_tokens(i64, slots, slots, 1)
-    rendezvous(np.zeros(2, np.uint64), np.uint64(1))
-    prefix_pick(i64, i64, slots, 1, np.ones(4), i64, slots, f64, 1, 1, i64.copy(), i64.copy(), f64)
+    fewest_tokens(i64, slots, slots, 1, i64.copy())
+    rendezvous(np.zeros(2, np.uint64), np.uint64(1), np.zeros(2, np.uint64))
+    prefix_pick(
+        i64, 0, 1, np.zeros((4, 2), np.int64), np.zeros((2, 2)), i64, 1, 1.0, 1.0, 1.0, 1.5, 1, 1
+    )

@@ -28,10 +28,12 @@ class MinTokens:
         if len(targets) == 1:
             return targets[0]
         reader = self.readers.of(targets)
-        # one compiled pass over the board's token row through the pool's slots and its
+        # a compiled scan of the board's token row through the pool's slots and its
         # workers' (numpy's gather, argmin, ties and their engines' gather: ~24 us at 4,096)
         start = self.start % len(targets)
         board = reader.board
         return targets[
-            kernels.fewest_tokens(board.token_load, reader.index, reader.worker_index, start)
+            kernels.fewest_tokens(
+                board.token_load, reader.index, reader.worker_index, start, reader.scratch
+            )
         ]

@@ -43,20 +43,20 @@ NONE: npt.NDArray[np.int64] = np.zeros(0, np.int64)  # no prefill queued anywher
 
 
 class Rows:
-    """One pool's board slots, positions by label, and kept buffers for a decision."""
+    """One pool's board slots and positions by label, with kept buffers for a decision
+    (packed: ``kernels.prefix_pick`` unpacks each array argument at a cost)."""
 
-    __slots__ = ("bonus", "cost", "loads", "pool", "slots", "tokens", "where", "where_")
+    __slots__ = ("at", "bonus", "floats", "ints", "pool", "where")
 
     def __init__(self, pool: Sequence[Target]) -> None:
         n = len(pool)
         self.pool = pool
-        self.slots: npt.NDArray[np.intp] = np.array([t.slot for t in pool], np.intp)
+        # the slots; the loads and tokens read; the holders' positions
+        self.ints: npt.NDArray[np.int64] = np.zeros((4, n), np.int64)
+        self.ints[0] = [t.slot for t in pool]
+        self.floats: npt.NDArray[np.float64] = np.zeros((2, n))  # the costs; the bonuses
         self.where = {t.label: i for i, t in enumerate(pool)}
-        self.where_: npt.NDArray[np.intp] = np.zeros(n, np.intp)  # the holders' positions
-        self.bonus: npt.NDArray[np.float64] = np.zeros(n)  # ...and their bonuses
-        self.loads: npt.NDArray[np.int64] = np.zeros(n, np.int64)
-        self.tokens: npt.NDArray[np.int64] = np.zeros(n, np.int64)
-        self.cost: npt.NDArray[np.float64] = np.zeros(n)
+        self.at, self.bonus = self.ints[3], self.floats[1]  # views, made once
 
 
 class PrefixPolicy:
@@ -65,9 +65,10 @@ class PrefixPolicy:
 
     def __init__(self, options: PolicyOptions) -> None:
         self.weight = options.prefix_weight
-        self.weights = np.array(
-            [options.load_weight, options.token_weight, options.queue_weight, options.prefix_bound]
-        )
+        self.bound = options.prefix_bound
+        self.load_weight = options.load_weight
+        self.token_weight = options.token_weight
+        self.queue_weight = options.queue_weight
         self.start = 0
         self._rows: dict[int, Rows] = {}
         self.last: Rows | None = None  # the last decision's pool
@@ -93,10 +94,10 @@ class PrefixPolicy:
         queued = NONE
         prefix = request.prefix
         if prefix is not None:
-            if prefix.queued is not None and self.weights[2]:
+            if prefix.queued is not None and self.queue_weight:
                 queued = prefix.queued.of(targets)
             if prefix.tokens and self.weight:
-                where, at, bonus = rows.where, rows.where_, rows.bonus
+                where, at, bonus = rows.where, rows.at, rows.bonus
                 for label, tokens in prefix.held.items():
                     i = where.get(label)
                     if i is not None:  # the bonus in one Python float (the same IEEE steps)
@@ -106,18 +107,18 @@ class PrefixPolicy:
         # one compiled pass over the board (numpy took ten calls, ~35 us at 4,096)
         return targets[
             kernels.prefix_pick(
-                board.load,
-                board.token_load,
-                rows.slots,
-                request.tokens,
-                self.weights,
+                board.whole,
+                board.load_base,
+                board.token_load_base,
+                rows.ints,
+                rows.floats,
                 queued,
-                rows.where_,
-                rows.bonus,
+                request.tokens,
+                self.load_weight,
+                self.token_weight,
+                self.queue_weight,
+                self.bound,
                 held,
                 self.start % len(targets),
-                rows.loads,
-                rows.tokens,
-                rows.cost,
             )
         ]
