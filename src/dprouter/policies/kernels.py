@@ -44,23 +44,12 @@ def _total(row: Any, slots: Any) -> int:
 def _fewest_tokens(tokens: Any, slots: Any, workers: Any, start: int, scratch: Any) -> int:
     """The target with the fewest tokens, then whose worker has the fewest, the first from
     ``start`` (wrapping): ``tokens`` a board row, ``slots``/``workers`` the pool's. The
-    pool's tokens gathered, their least with four independent minima, then the tie-break
+    pool's tokens gathered, their least, then the tie-break
     among the targets holding it (a third faster than one loop comparing as it goes)."""
     n = slots.shape[0]
     for i in range(n):
         scratch[i] = tokens[slots[i]]
-    m0 = m1 = m2 = m3 = scratch[0]
-    i = 0
-    while i + 4 <= n:
-        a, b, c, d = scratch[i], scratch[i + 1], scratch[i + 2], scratch[i + 3]
-        m0 = a if a < m0 else m0
-        m1 = b if b < m1 else m1
-        m2 = c if c < m2 else m2
-        m3 = d if d < m3 else m3
-        i += 4
-    for j in range(i, n):
-        m0 = scratch[j] if scratch[j] < m0 else m0
-    least = min(min(m0, m1), min(m2, m3))
+    least = least_value(scratch)
     best, engine, distance = -1, 0, n
     for j in range(n):
         if scratch[j] == least:
@@ -103,11 +92,9 @@ def _rendezvous(seeds: Any, key: np.uint64, scores: Any) -> int:
     return 0
 
 
-def _first_least(values: Any, start: int) -> int:
-    """The first least value at or after ``start`` (< n), wrapping round, in two passes:
-    the least value with four independent minima (one chain waits on each compare: four
-    times slower at 4,096), then the first from ``start`` holding it. Exact: a minimum
-    does not depend on the order."""
+def _least_value(values: Any) -> Any:
+    """The least of ``values``, with four independent minima: one chain waits on each
+    compare, four times slower at 4,096. Exact: a minimum does not depend on the order."""
     n = values.shape[0]
     m0 = m1 = m2 = m3 = values[0]
     i = 0
@@ -120,7 +107,14 @@ def _first_least(values: Any, start: int) -> int:
         i += 4
     for j in range(i, n):
         m0 = values[j] if values[j] < m0 else m0
-    m = min(min(m0, m1), min(m2, m3))
+    return min(min(m0, m1), min(m2, m3))
+
+
+def _first_least(values: Any, start: int) -> int:
+    """The first least value at or after ``start`` (< n), wrapping round, in two passes:
+    the least value, then the first from ``start`` holding it."""
+    n = values.shape[0]
+    m = least_value(values)
     for j in range(start, n):
         if values[j] == m:
             return j
@@ -188,6 +182,7 @@ def _prefix_pick(
 
 
 JIT = njit(cache=True, nogil=True, boundscheck=False)
+least_value: Callable[[Any], Any] = JIT(_least_value)
 first_least: Callable[[Any, int], int] = JIT(_first_least)
 least_at: Callable[[Any, Any, int], int] = JIT(_least_at)
 total: Callable[[Any, Any], int] = JIT(_total)
