@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from dprouter.policies import kernels
+from dprouter.policies import Prefix, RequestInfo, kernels, make_policy
+from dprouter.policies.base import first_least
 from dprouter.registry import Registry
 from dprouter.targets import Target, Worker
 
@@ -98,3 +99,20 @@ def test_first_least_takes_the_first_from_a_rotating_start(n: int) -> None:
             order = [*range(start, n), *range(start)]
             want = min(order, key=lambda i: float(values[i]))
             assert kernels.first_least(values, start) == want
+            # the numpy one, for large pools
+            assert first_least(values.astype(np.float64), start) == want
+
+
+def test_prefix_on_a_large_pool_picks_the_plain_definition() -> None:
+    """From 2,048 targets the least cost is found with numpy: the same pick."""
+    rng = random.Random(9)
+    pool = fleet(*[16] * 256)
+    policy = make_policy("prefix")
+    for step in range(1, 40):
+        loaded(pool, rng)
+        holders = rng.sample(range(len(pool)), 3)
+        held = {pool[i].label: rng.choice((256, 1024)) for i in holders}
+        info = RequestInfo(tokens=1000, prefix=Prefix(1024, held))
+        bonus = {i: 4.0 * held[pool[i].label] / 1024 for i in holders}
+        want = plain_pick(list(pool), 1000, (1.0, 1.0, 1.0, 1.5), [], bonus, step % len(pool))
+        assert policy.select(pool, info) is pool[want]

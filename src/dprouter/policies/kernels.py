@@ -141,7 +141,8 @@ def _prefix_pick(
 ) -> int:
     """``prefix``'s choice over the pool (the formula is in ``PrefixPolicy``'s docstring).
 
-    ``whole``: the board's cells, its load row at ``load_base``, its token row at
+    ``start`` < 0: only the costs, into ``floats[0]`` (returns -1). ``whole``: the
+    board's cells, its load row at ``load_base``, its token row at
     ``token_base``; ``ints``: the pool's slots, then scratch for its loads and tokens,
     then the positions of the targets holding part of the prompt; ``floats``: scratch
     for the costs, then those holders' bonuses (``held`` of them), counted while their
@@ -178,6 +179,8 @@ def _prefix_pick(
         i = where[k]
         if loads[i] <= limit:
             cost[i] = cost[i] - bonus[k]
+    if start < 0:
+        return -1  # the caller finds the least cost
     return first_least(cost, start)  # the compiled one: numba resolves it at compile time
 
 
