@@ -3,11 +3,11 @@
 A numpy call costs ~0.5-1 us before it reads a cell, and a policy that gathers a
 pool's rows, combines them and then finds the first least from a rotating start makes
 ten; at 4,096 targets each also passes over 32 KB. These loops read the board's rows
-through the pool's slots and decide in one or two passes, with the same comparisons
-(and, for floats, the same IEEE steps in the same order) as the plain definitions, so
-the choices are exactly theirs. Compiled once and cached on disk (``cache=True``; the
-first start of a new install compiles, ~2 s); ``warm`` loads them before the first
-request. No fastmath: it would reorder the float steps.
+through the pool's slots and decide in one or two passes, with the same comparisons as
+the plain definitions (for floats, in the float steps each kernel documents), so the
+choices are exactly theirs (``tests/test_policy_kernels.py``). Compiled once and cached
+on disk (``cache=True``; the first start of a new install compiles, ~2 s); ``warm``
+loads them before the first request. No fastmath: it would reorder the float steps.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def _total(row: Any, slots: Any) -> int:
 def _fewest_tokens(tokens: Any, slots: Any, workers: Any, start: int, scratch: Any) -> int:
     """The target with the fewest tokens, then whose worker has the fewest, the first from
     ``start`` (wrapping): ``tokens`` a board row, ``slots``/``workers`` the pool's. The
-    pool's tokens gathered, their least, then the tie-break
-    among the targets holding it (a third faster than one loop comparing as it goes)."""
+    pool's tokens gathered, their least, then the tie-break among the targets holding it
+    (a third faster than one loop comparing as it goes)."""
     n = slots.shape[0]
     for i in range(n):
         scratch[i] = tokens[slots[i]]
