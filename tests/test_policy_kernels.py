@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from dprouter.policies import Prefix, RequestInfo, kernels, make_policy
+from dprouter.policies import PolicyOptions, Prefix, QueuedBy, RequestInfo, kernels, make_policy
 from dprouter.policies.base import first_least
 from dprouter.registry import Registry
 from dprouter.targets import Target, Worker
@@ -116,3 +116,22 @@ def test_prefix_on_a_large_pool_picks_the_plain_definition() -> None:
         bonus = {i: 4.0 * held[pool[i].label] / 1024 for i in holders}
         want = plain_pick(list(pool), 1000, (1.0, 1.0, 1.0, 1.5), [], bonus, step % len(pool))
         assert policy.select(pool, info) is pool[want]
+
+
+def test_no_request_compiles_a_kernel_again() -> None:
+    """Every policy, options from a config file included (weights written as ints), calls
+    the kernels with the types ``warm`` compiled them for: another type would compile on
+    a request (~0.5 s)."""
+    pool = loaded(fleet(16, 16), random.Random(2))
+    options = PolicyOptions(
+        assignment="min_group", load_weight=1, token_weight=2, queue_weight=1, prefix_bound=2
+    )
+    queued = QueuedBy({pool[0].label: 64})
+    info = RequestInfo(key="k", text="a prompt " * 40, tokens=300, prefix=Prefix(64, {}, queued))
+    for name in ("least_load", "manual", "cache_aware", "min_tokens", "consistent_hash", "prefix"):
+        policy = make_policy(name, options)
+        for i in range(3):
+            policy.select(pool, info)
+            policy.select(pool, RequestInfo(key=f"new{i}", tokens=10))
+    for kernel in ("least_at", "total", "fewest_tokens", "rendezvous", "prefix_pick"):
+        assert len(getattr(kernels, kernel).signatures) == 1, kernel

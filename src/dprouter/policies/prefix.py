@@ -65,11 +65,13 @@ class PrefixPolicy:
     needs_tokens = True
 
     def __init__(self, options: PolicyOptions) -> None:
-        self.weight = options.prefix_weight
-        self.bound = options.prefix_bound
-        self.load_weight = options.load_weight
-        self.token_weight = options.token_weight
-        self.queue_weight = options.queue_weight
+        # floats, whatever the config file wrote (1 is an int): the kernel was compiled for
+        # floats, and another type would compile it again on a request
+        self.weight = float(options.prefix_weight)
+        self.bound = float(options.prefix_bound)
+        self.load_weight = float(options.load_weight)
+        self.token_weight = float(options.token_weight)
+        self.queue_weight = float(options.queue_weight)
         self.start = 0
         self._rows: dict[int, Rows] = {}
         self.last: Rows | None = None  # the last decision's pool
@@ -115,7 +117,7 @@ class PrefixPolicy:
             rows.ints,
             rows.floats,
             queued,
-            request.tokens,
+            int(request.tokens),
             self.load_weight,
             self.token_weight,
             self.queue_weight,
