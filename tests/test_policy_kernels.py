@@ -4,6 +4,8 @@ numbers (floats bit for bit, in the formula's steps) and the same picks, ties in
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -135,3 +137,18 @@ def test_no_request_compiles_a_kernel_again() -> None:
             policy.select(pool, RequestInfo(key=f"new{i}", tokens=10))
     for kernel in ("least_at", "total", "fewest_tokens", "rendezvous", "prefix_pick"):
         assert len(getattr(kernels, kernel).signatures) == 1, kernel
+
+
+def test_a_policy_made_directly_loads_the_kernels_before_its_first_request() -> None:
+    """The parent of --processes makes manual (key placement) and consistent_hash (etcd
+    claims) itself, not through make_policy: made, they have their kernels loaded, so no
+    placement waits on a compile."""
+    code = (
+        "from dprouter.policies import kernels, PolicyOptions\n"
+        "from dprouter.policies.manual import Manual\n"
+        "from dprouter.policies.consistent_hash import ConsistentHash\n"
+        "assert not kernels.least_at.signatures\n"
+        "Manual(PolicyOptions(assignment='min_load')), ConsistentHash(PolicyOptions())\n"
+        "assert kernels.least_at.signatures and kernels.rendezvous.signatures\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

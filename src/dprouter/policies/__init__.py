@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dprouter.policies import kernels
 from dprouter.policies.base import (
     Policy,
     PolicyOptions,
@@ -46,7 +45,6 @@ def make_policy(name: str, options: PolicyOptions | None = None) -> Policy:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-    kernels.warm()
     return factory(options or PolicyOptions())
 
 

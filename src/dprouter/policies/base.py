@@ -127,6 +127,7 @@ class Readers:
     """A policy's readers, by pool (identity: a snapshot's pools are kept tuples)."""
 
     def __init__(self) -> None:
+        kernels.warm()  # the scans loaded when the policy is made, not on its first request
         self._readers: dict[int, Reader] = {}
 
     def of(self, pool: Sequence[Target]) -> Reader:

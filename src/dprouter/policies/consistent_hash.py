@@ -42,6 +42,7 @@ class ConsistentHash:
     name = "consistent_hash"
 
     def __init__(self, options: PolicyOptions) -> None:
+        kernels.warm()  # the scan loaded now, not on the first new key
         self.rng = make_rng(options)
         self._seeds: dict[str, int] = {}
         self._pool: Sequence[Target] | None = None

@@ -184,7 +184,16 @@ def _prefix_pick(
     return first_least(cost, start)  # the compiled one: numba resolves it at compile time
 
 
-JIT = njit(cache=True, nogil=True, boundscheck=False)
+def JIT(function: Callable[..., Any]) -> Any:
+    """Compiled, and cached on disk where numba finds a writable place (beside this module,
+    ``NUMBA_CACHE_DIR``, or the user's cache folder); with none (a read-only install and
+    home) it compiles on each start (~1.5 s) rather than failing the import."""
+    try:
+        return njit(cache=True, nogil=True, boundscheck=False)(function)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+        return njit(nogil=True, boundscheck=False)(function)
+
+
 least_value: Callable[[Any], Any] = JIT(_least_value)
 first_least: Callable[[Any, int], int] = JIT(_first_least)
 least_at: Callable[[Any, Any, int], int] = JIT(_least_at)
@@ -197,7 +206,9 @@ prefix_pick: Callable[..., int] = JIT(_prefix_pick)
 @cache
 def warm() -> None:
     """Load (or compile) every kernel with the types the policies call it with: once per
-    process, when its first policy is made (~0.25 s from the disk cache), not on a request."""
+    process, when its first policy that scans is made (~0.25 s from the disk cache), never
+    on a request. Each such policy calls it (``Readers``, ``ConsistentHash``, ``prefix``):
+    the parent of ``--processes`` makes ``manual`` and ``consistent_hash`` itself."""
     i64 = np.zeros(2, np.int64)
     slots = np.zeros(2, np.intp)
     least_at(i64, slots, 1)

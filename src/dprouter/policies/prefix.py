@@ -65,6 +65,7 @@ class PrefixPolicy:
     needs_tokens = True
 
     def __init__(self, options: PolicyOptions) -> None:
+        kernels.warm()  # the scan loaded now, not on the first request
         # floats, whatever the config file wrote (1 is an int): the kernel was compiled for
         # floats, and another type would compile it again on a request
         self.weight = float(options.prefix_weight)
