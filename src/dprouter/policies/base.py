@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Literal, Protocol
+from typing import Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -123,20 +123,39 @@ class Reader:
         return int(kernels.total(self.board.load, self.index))
 
 
-class Readers:
-    """A policy's readers, by pool (identity: a snapshot's pools are kept tuples)."""
+class Pooled(Protocol):
+    pool: Sequence[Target]
 
-    def __init__(self) -> None:
+
+P = TypeVar("P", bound=Pooled)
+
+
+class ByPool(Generic[P]):
+    """What a policy keeps per pool (``make(pool)``), by pool identity: a snapshot's pools
+    are kept tuples. The last pool's is found without a lookup."""
+
+    def __init__(self, make: Callable[[Sequence[Target]], P]) -> None:
         kernels.warm()  # the scans loaded when the policy is made, not on its first request
-        self._readers: dict[int, Reader] = {}
+        self.make = make
+        self._kept: dict[int, P] = {}
+        self._last: P | None = None
 
-    def of(self, pool: Sequence[Target]) -> Reader:
-        found = self._readers.get(id(pool))
+    def of(self, pool: Sequence[Target]) -> P:
+        last = self._last
+        if last is not None and last.pool is pool:
+            return last
+        found = self._kept.get(id(pool))
         if found is None or found.pool is not pool:
-            if len(self._readers) >= CACHED:
-                self._readers.clear()
-            found = self._readers[id(pool)] = Reader(pool)
+            if len(self._kept) >= CACHED:
+                self._kept.clear()
+            found = self._kept[id(pool)] = self.make(pool)
+        self._last = found
         return found
+
+
+def readers() -> ByPool[Reader]:
+    """A policy's readers of the board, by pool."""
+    return ByPool(Reader)
 
 
 def first_least(values: npt.NDArray[np.float64], start: int) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from dprouter.policies.base import PolicyOptions, Readers, RequestInfo
+from dprouter.policies.base import PolicyOptions, RequestInfo, readers
 from dprouter.targets import Target
 
 BLOCK = 64  # characters per block
@@ -58,7 +58,7 @@ class CacheAware:
         self._labels: frozenset[str] = frozenset()  # so ``owners & labels`` walks the smaller
         self._slots: dict[str, int] = {}  # the pool's targets' board slots, by label
         self.start = 0
-        self.readers = Readers()
+        self.readers = readers()
         # several serving processes: each decision is told to the others, which ``learn`` it
         self.tell: Callable[[Target, list[int]], None] | None = None
 

@@ -207,7 +207,7 @@ prefix_pick: Callable[..., int] = JIT(_prefix_pick)
 def warm() -> None:
     """Load (or compile) every kernel with the types the policies call it with: once per
     process, when its first policy that scans is made (~0.25 s from the disk cache), never
-    on a request. Each such policy calls it (``Readers``, ``ConsistentHash``, ``prefix``):
+    on a request. Each such policy calls it (``ByPool``, ``ConsistentHash``):
     the parent of ``--processes`` makes ``manual`` and ``consistent_hash`` itself."""
     i64 = np.zeros(2, np.int64)
     slots = np.zeros(2, np.intp)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dprouter.policies.base import PolicyOptions, Readers, RequestInfo, least_loaded
+from dprouter.policies.base import PolicyOptions, RequestInfo, least_loaded, readers
 from dprouter.targets import Target
 
 
@@ -13,7 +13,7 @@ class LeastLoad:
 
     def __init__(self, options: PolicyOptions) -> None:
         self.start = 0  # rotating tie-break: equal loads are served in turn
-        self.readers = Readers()
+        self.readers = readers()
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1

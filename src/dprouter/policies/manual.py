@@ -24,10 +24,10 @@ import numpy as np
 from dprouter.policies.base import (
     PolicyOptions,
     Reader,
-    Readers,
     RequestInfo,
     least_loaded,
     make_rng,
+    readers,
 )
 from dprouter.targets import Target
 
@@ -43,7 +43,7 @@ class Manual:
         self.bound = options.session_bound
         self.sticky: OrderedDict[str, tuple[Target, float]] = OrderedDict()  # oldest use first
         self.start = 0
-        self.readers = Readers()
+        self.readers = readers()
         # keys stuck to each target, by board slot; a slot counts for the target that holds
         # it now (a removed worker's slots are handed on)
         self.keys_on = np.zeros(0, np.int64)

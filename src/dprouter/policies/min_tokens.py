@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dprouter.policies import kernels
-from dprouter.policies.base import PolicyOptions, Readers, RequestInfo
+from dprouter.policies.base import PolicyOptions, RequestInfo, readers
 from dprouter.targets import Target
 
 
@@ -21,7 +21,7 @@ class MinTokens:
 
     def __init__(self, options: PolicyOptions) -> None:
         self.start = 0
-        self.readers = Readers()
+        self.readers = readers()
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dprouter.policies import kernels
-from dprouter.policies.base import CACHED, PolicyOptions, RequestInfo, first_least
+from dprouter.policies.base import ByPool, PolicyOptions, RequestInfo, first_least
 from dprouter.targets import Target
 
 NONE: npt.NDArray[np.int64] = np.zeros(0, np.int64)  # no prefill queued anywhere
@@ -65,7 +65,6 @@ class PrefixPolicy:
     needs_tokens = True
 
     def __init__(self, options: PolicyOptions) -> None:
-        kernels.warm()  # the scan loaded now, not on the first request
         # floats, whatever the config file wrote (1 is an int): the kernel was compiled for
         # floats, and another type would compile it again on a request
         self.weight = float(options.prefix_weight)
@@ -74,26 +73,13 @@ class PrefixPolicy:
         self.token_weight = float(options.token_weight)
         self.queue_weight = float(options.queue_weight)
         self.start = 0
-        self._rows: dict[int, Rows] = {}
-        self.last: Rows | None = None  # the last decision's pool
-
-    def rows(self, pool: Sequence[Target]) -> Rows:
-        """Kept by pool (identity: a snapshot's pools are kept tuples)."""
-        found = self._rows.get(id(pool))
-        if found is None or found.pool is not pool:
-            if len(self._rows) >= CACHED:
-                self._rows.clear()
-            found = self._rows[id(pool)] = Rows(pool)
-        self.last = found
-        return found
+        self.rows = ByPool(Rows)
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
         if len(targets) == 1:
             return targets[0]
-        rows = self.last
-        if rows is None or rows.pool is not targets:
-            rows = self.rows(targets)
+        rows = self.rows.of(targets)
         held = 0
         queued = NONE
         prefix = request.prefix
