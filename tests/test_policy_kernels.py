@@ -6,12 +6,15 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
 from dprouter.policies import PolicyOptions, Prefix, QueuedBy, RequestInfo, kernels, make_policy
 from dprouter.policies.base import first_least
+from dprouter.policies.cache_aware import CAPACITY, CacheAware, text_blocks
 from dprouter.registry import Registry
 from dprouter.targets import Target, Worker
 
@@ -135,7 +138,7 @@ def test_no_request_compiles_a_kernel_again() -> None:
         for i in range(3):
             policy.select(pool, info)
             policy.select(pool, RequestInfo(key=f"new{i}", tokens=10))
-    for kernel in ("least_at", "total", "fewest_tokens", "rendezvous", "prefix_pick"):
+    for kernel in ("least_at", "total", "affinity", "fewest_tokens", "rendezvous", "prefix_pick"):
         assert len(getattr(kernels, kernel).signatures) == 1, kernel
 
 
@@ -152,3 +155,56 @@ def test_a_policy_made_directly_loads_the_kernels_before_its_first_request() -> 
         "assert kernels.least_at.signatures and kernels.rendezvous.signatures\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class PlainCacheAware:
+    """cache_aware in plain Python: per-target LRU sets of chained block hashes (deepest
+    block remembered first, so evicted first), the holders narrowed block by block from
+    the first, and the balance rule summed in Python."""
+
+    def __init__(self, capacity: int, threshold: float = 0.5, bound: float = 1.5) -> None:
+        self.capacity, self.threshold, self.bound = capacity, threshold, bound
+        self.seen: dict[str, OrderedDict[int, None]] = {}
+        self.start = 0
+
+    def select(self, pool: Sequence[Target], text: str) -> Target:
+        self.start += 1
+        blocks = text_blocks(text)
+        holders, depth = {t.label for t in pool}, 0
+        for h in blocks:
+            narrower = {label for label in holders if h in self.seen.get(label, ())}
+            if not narrower:
+                break
+            holders, depth = narrower, depth + 1
+        order = [*range(self.start % len(pool), len(pool)), *range(self.start % len(pool))]
+        least = pool[min(order, key=lambda i: pool[i].load)]
+        chosen = least
+        if depth and depth >= self.threshold * len(blocks):
+            match = min((t for t in pool if t.label in holders), key=lambda t: (t.load, t.label))
+            if match.load <= self.bound * (sum(t.load for t in pool) / len(pool) + 1):
+                chosen = match
+        seen = self.seen.setdefault(chosen.label, OrderedDict())
+        for h in reversed(blocks):
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+        return chosen
+
+
+@pytest.mark.parametrize("capacity", [24, CAPACITY])
+def test_cache_aware_picks_what_the_plain_definition_picks(capacity: int) -> None:
+    """The holders' run found by bisection is the one found block by block, with prompts
+    sharing prefixes of every length and targets evicting (capacity 24 blocks)."""
+    rng = random.Random(capacity)
+    pool = fleet(8, 8, 16)
+    policy = make_policy("cache_aware")
+    assert isinstance(policy, CacheAware)
+    policy.capacity = capacity
+    plain = PlainCacheAware(capacity)
+    stems = ["".join(rng.choice("abcdefgh ") for _ in range(64 * 12)) for _ in range(6)]
+    for step in range(2000):
+        loaded(pool, rng) if step % 5 == 0 else None
+        stem = rng.choice(stems)
+        text = stem[: rng.randrange(0, len(stem))] + rng.choice(("", "tail", "x" * 200))
+        assert policy.select(pool, RequestInfo(text=text)) is plain.select(pool, text), step

@@ -1,7 +1,9 @@
 """``cache_aware``: send a prompt where its prefix was sent before, unless load says no.
 
 Each target keeps an LRU set of chained hashes of the 64-character blocks of
-prompts it was given (an approximation of the engine's prefix cache). The
+prompts it was given (an approximation of the engine's prefix cache: a prompt's
+deepest blocks are evicted first, as vLLM's are, so a target always holds a leading run
+of what it holds part of, and the longest held run is found by bisection). The
 target matching the most leading blocks wins (ties: the less loaded) if the
 match covers at least ``cache_threshold`` of the prompt; otherwise the least
 loaded target does. Affinity holds while the holder's load is at most
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from dprouter.policies import kernels
 from dprouter.policies.base import PolicyOptions, RequestInfo, readers
 from dprouter.targets import Target
 
@@ -50,13 +53,15 @@ class CacheAware:
 
     def __init__(self, options: PolicyOptions) -> None:
         self.threshold = options.cache_threshold
-        self.bound = options.cache_bound
+        self.bound = float(options.cache_bound)  # one compiled signature, ints from a config too
         self.seen: dict[str, OrderedDict[int, None]] = {}  # per target, oldest block first
         self.owners: dict[int, set[str]] = {}  # block -> targets holding it (an inverted index)
         self._pool: Sequence[Target] | None = None
         self._by_label: dict[str, Target] = {}
         self._labels: frozenset[str] = frozenset()  # so ``owners & labels`` walks the smaller
         self._slots: dict[str, int] = {}  # the pool's targets' board slots, by label
+        self._position: dict[str, int] = {}  # the pool's targets' places in it, by label
+        self.capacity = CAPACITY  # blocks remembered per target
         self.start = 0
         self.readers = readers()
         # several serving processes: each decision is told to the others, which ``learn`` it
@@ -74,12 +79,14 @@ class CacheAware:
     def _choose(self, targets: Sequence[Target], blocks: list[int]) -> Target:
         reader = self.readers.of(targets)
         match = self._best_match(targets, blocks)
-        # the balance rule sees every target's load (a compiled sum over the pool)
-        if match is not None and match.load <= self.bound * (
-            reader.total_load() / len(targets) + 1
-        ):
-            return match  # within the bound: affinity holds
-        return targets[reader.least(reader.board.load, self.start)]
+        # the balance rule sees every target's load: one compiled pass sums the pool's and,
+        # past the bound, finds the least loaded from the rotating start
+        at = self._position[match.label] if match is not None else -1
+        return targets[
+            kernels.affinity(
+                reader.board.load, reader.index, at, self.bound, self.start % len(targets)
+            )
+        ]
 
     def learn(self, target: Target, blocks: list[int]) -> None:
         """Another serving process sent a prompt of these blocks to ``target``."""
@@ -91,25 +98,11 @@ class CacheAware:
             self._pool, self._by_label = targets, {t.label: t for t in targets}
             self._labels = frozenset(self._by_label)
             self._slots = {t.label: t.slot for t in targets}
-        get = self.owners.get
-        holders: set[str] | None = None
-        depth = 0
-        for h in blocks:
-            owners = get(h)
-            if not owners:
-                break
-            if holders is None:
-                narrower = owners & self._labels
-            elif holders <= owners:  # the usual case: the same targets hold the next block
-                depth += 1
-                continue
-            else:
-                narrower = holders & owners
-            if not narrower:
-                break
-            holders, depth = narrower, depth + 1
-        if holders is None or depth < self.threshold * len(blocks):
+            self._position = {t.label: i for i, t in enumerate(targets)}
+        depth = self._depth(blocks)
+        if not depth or depth < self.threshold * len(blocks):
             return None
+        holders = self.owners[blocks[depth - 1]] & self._labels
         if len(holders) == 1:
             (label,) = holders
             return self._by_label[label]
@@ -117,13 +110,40 @@ class CacheAware:
         cells, slots = targets[0].board.load_cells, self._slots
         return self._by_label[min(holders, key=lambda label: (cells[slots[label]], label))]
 
+    def _depth(self, blocks: list[int]) -> int:
+        """How many leading blocks a target of the pool holds. A target holding a block
+        holds every block before it (``_remember``), so the blocks some target holds are a
+        leading run and its end is found by bisection: the first block and the last, then
+        ~log2(blocks) more, where walking the run took a set test per block. The holders
+        of the last block of the run are then the targets holding all of it."""
+        get, labels = self.owners.get, self._labels
+        owners = get(blocks[0])
+        if owners is None or labels.isdisjoint(owners):
+            return 0
+        n = len(blocks)
+        owners = get(blocks[-1])
+        if owners is not None and not labels.isdisjoint(owners):
+            return n  # the usual case of a prompt held before: two lookups
+        low, high = 1, n - 1  # block low - 1 is held, block high is not
+        while low < high:
+            mid = (low + high) // 2
+            owners = get(blocks[mid])
+            if owners is not None and not labels.isdisjoint(owners):
+                low = mid + 1
+            else:
+                high = mid
+        return low
+
     def _remember(self, target: Target, blocks: list[int]) -> None:
         label = target.label
         seen = self.seen.get(label)
         if seen is None:
             seen = self.seen[label] = OrderedDict()
         move, owners = seen.move_to_end, self.owners
-        for h in blocks:
+        # the deepest block first, so each block is newer than the blocks after it and is
+        # evicted after them (as vLLM frees a request's blocks, tail first): a target holds
+        # a leading run of every prompt it holds part of, which ``_depth`` relies on
+        for h in reversed(blocks):
             if h in seen:  # held already, so listed among the block's owners
                 move(h)
             else:
@@ -133,7 +153,7 @@ class CacheAware:
                     owners[h] = {label}
                 else:
                     holders.add(label)
-        while len(seen) > CAPACITY:
+        while len(seen) > self.capacity:
             old, _ = seen.popitem(last=False)
             holders = owners[old]
             holders.discard(label)

@@ -41,6 +41,20 @@ def _total(row: Any, slots: Any) -> int:
     return found
 
 
+def _affinity(row: Any, slots: Any, match: int, bound: float, start: int) -> int:
+    """``cache_aware``'s balance rule: ``match`` (a place in the pool; -1: none) while its
+    row value is at most ``bound`` x (the pool's mean + 1), else the first least from
+    ``start``. One call where the sum and the search took two."""
+    if match >= 0:
+        n = slots.shape[0]
+        found = 0
+        for i in range(n):
+            found += row[slots[i]]
+        if row[slots[match]] <= bound * (found / n + 1.0):
+            return match
+    return least_at(row, slots, start)
+
+
 def _fewest_tokens(tokens: Any, slots: Any, workers: Any, start: int, scratch: Any) -> int:
     """The target with the fewest tokens, then whose worker has the fewest, the first from
     ``start`` (wrapping): ``tokens`` a board row, ``slots``/``workers`` the pool's. The
@@ -197,6 +211,7 @@ def JIT(function: Callable[..., Any]) -> Any:
 least_value: Callable[[Any], Any] = JIT(_least_value)
 first_least: Callable[[Any, int], int] = JIT(_first_least)
 least_at: Callable[[Any, Any, int], int] = JIT(_least_at)
+affinity: Callable[[Any, Any, int, float, int], int] = JIT(_affinity)
 total: Callable[[Any, Any], int] = JIT(_total)
 fewest_tokens: Callable[[Any, Any, Any, int, Any], int] = JIT(_fewest_tokens)
 rendezvous: Callable[[Any, np.uint64, Any], int] = JIT(_rendezvous)
@@ -213,6 +228,7 @@ def warm() -> None:
     slots = np.zeros(2, np.intp)
     least_at(i64, slots, 1)
     total(i64, slots)
+    affinity(i64, slots, 1, 1.5, 1)
     fewest_tokens(i64, slots, slots, 1, i64.copy())
     rendezvous(np.zeros(2, np.uint64), np.uint64(1), np.zeros(2, np.uint64))
     prefix_pick(
