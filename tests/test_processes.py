@@ -281,6 +281,31 @@ async def test_cache_aware_follows_a_prefix_whichever_process_sent_it_first(
         assert set(seen) == {home}
 
 
+async def test_every_process_counts_a_request_by_the_lengths_all_of_them_saw_finish(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    """One short answer (2 tokens) finishes in one process; then long streams, one at a time
+    and each on a connection of its own (either process accepts it): every one is counted
+    by that answer's length, not by its 3,000-token cap, whichever process took it."""
+    cluster = await start_cluster([EngineConfig(dp_size=2)])
+    sup = await start_processes(RouterConfig(workers=workers(*cluster.urls), policy="min_tokens"))
+    told = sup.control.forwarded
+    await post(sup.url, SHORT)
+    assert await until(lambda: sup.control.forwarded > told)  # the other process knows
+    opened: list[int] = []
+    for _ in range(12):
+        opened.clear()
+        task = asyncio.create_task(hold_stream(sup.url, opened))
+        try:
+            assert await until(lambda: len(opened) == 1, seconds=10)
+            counted = sum(t.outstanding_tokens for t in sup.registry.targets())
+            assert 0 < counted < 100, counted  # the prompt + 2, not + 3,000
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert await until(lambda: in_flight(sup) == 0, seconds=10)
+
+
 @pytest.mark.parametrize("mode", ["vllm-nixl", "sglang"])
 async def test_pd_flows_run_through_both_processes(
     start_cluster: StartCluster, start_processes: StartProcesses, mode: PdMode

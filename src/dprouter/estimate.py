@@ -10,10 +10,16 @@ stream's events as they pass; a whole answer's ``usage.completion_tokens``,
 or SGLang's ``meta_info.completion_tokens``). Until one has finished, the cap
 (or ``DEFAULT_OUTPUT`` without one) stands. A decode that runs past its
 budget weighs its prompt alone in the router's count; the engine's report of
-the tokens it holds (see ``board``) is what shows it then.
+the tokens it holds (see ``board``) is what shows it then. Under ``--processes``
+every serving process is told every length any of them saw finish, so that all
+count a request by the one ``typical`` (a process counting by its own half of
+the answers weighed the same request differently from the other, by up to the
+cap before its own first answer).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -43,9 +49,17 @@ class OutputEstimate:
 
     def __init__(self) -> None:
         self.typical: dict[str | None, float] = {}
+        # several serving processes: what this one sees finish is told to the others
+        self.tell: Callable[[int, str | None], None] | None = None
 
     def observe(self, generated: int, model: str | None = None) -> None:
-        """A request for ``model`` finished after ``generated`` output tokens."""
+        """A request for ``model`` finished here after ``generated`` output tokens."""
+        self.update(generated, model)
+        if self.tell is not None:
+            self.tell(generated, model)
+
+    def update(self, generated: int, model: str | None = None) -> None:
+        """One length more in the average (one seen here, or told by another process)."""
         t = self.typical.get(model)
         self.typical[model] = float(generated) if t is None else t + WEIGHT * (generated - t)
 
