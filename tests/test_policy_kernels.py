@@ -147,10 +147,11 @@ def test_a_policy_made_directly_loads_the_kernels_before_its_first_request() -> 
     claims) itself, not through make_policy: made, they have their kernels loaded, so no
     placement waits on a compile."""
     code = (
+        "import sys\n"
         "from dprouter.policies import kernels, PolicyOptions\n"
         "from dprouter.policies.manual import Manual\n"
         "from dprouter.policies.consistent_hash import ConsistentHash\n"
-        "assert not kernels.least_at.signatures\n"
+        "assert 'numba' not in sys.modules\n"
         "Manual(PolicyOptions(assignment='min_load')), ConsistentHash(PolicyOptions())\n"
         "assert kernels.least_at.signatures and kernels.rendezvous.signatures\n"
     )
@@ -208,3 +209,25 @@ def test_cache_aware_picks_what_the_plain_definition_picks(capacity: int) -> Non
         stem = rng.choice(stems)
         text = stem[: rng.randrange(0, len(stem))] + rng.choice(("", "tail", "x" * 200))
         assert policy.select(pool, RequestInfo(text=text)) is plain.select(pool, text), step
+
+
+def test_a_router_whose_policy_scans_nothing_never_imports_numba() -> None:
+    """numba and the kernels cost ~135 MB per serving process: round_robin (the default),
+    random and power_of_two never load them, serving or not."""
+    code = (
+        "import sys\n"
+        "import dprouter.cli, dprouter.app, dprouter.processes\n"
+        "from dprouter.policies import make_policy, RequestInfo\n"
+        "from dprouter.registry import Registry\n"
+        "from dprouter.targets import Worker\n"
+        "registry = Registry()\n"
+        "w = registry.add(Worker(id='w', url='http://127.0.0.1:1', dialect='vllm'))\n"
+        "w.ranks = 4\n"
+        "registry.mark_ready(w)\n"
+        "for name in ('round_robin', 'random', 'power_of_two'):\n"
+        "    make_policy(name).select(registry.snapshot.pool(), RequestInfo())\n"
+        "assert 'numba' not in sys.modules\n"
+        "make_policy('least_load')\n"
+        "assert 'numba' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

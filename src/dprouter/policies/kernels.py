@@ -8,6 +8,11 @@ the plain definitions (for floats, in the float steps each kernel documents), so
 choices are exactly theirs (``tests/test_policy_kernels.py``). Compiled once and cached
 on disk (``cache=True``; the first start of a new install compiles, ~2 s); ``warm``
 loads them before the first request. No fastmath: it would reorder the float steps.
+
+numba is imported on the first use of a kernel, not with this module: importing it
+costs ~65 MB and ~0.15 s, and loading the kernels ~70 MB more, which a router whose
+policy scans nothing (``round_robin``, the default; ``random``; ``power_of_two``)
+never pays, in each of its serving processes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 
 def _least_at(row: Any, slots: Any, start: int) -> int:
@@ -202,20 +206,54 @@ def JIT(function: Callable[..., Any]) -> Any:
     """Compiled, and cached on disk where numba finds a writable place (beside this module,
     ``NUMBA_CACHE_DIR``, or the user's cache folder); with none (a read-only install and
     home) it compiles on each start (~1.5 s) rather than failing the import."""
+    from numba import njit  # here, not at the top: see the module's docstring
+
     try:
         return njit(cache=True, nogil=True, boundscheck=False)(function)
     except RuntimeError:  # numba: "cannot cache function ...: no locator available"
         return njit(nogil=True, boundscheck=False)(function)
 
 
-least_value: Callable[[Any], Any] = JIT(_least_value)
-first_least: Callable[[Any, int], int] = JIT(_first_least)
-least_at: Callable[[Any, Any, int], int] = JIT(_least_at)
-affinity: Callable[[Any, Any, int, float, int], int] = JIT(_affinity)
-total: Callable[[Any, Any], int] = JIT(_total)
-fewest_tokens: Callable[[Any, Any, Any, int, Any], int] = JIT(_fewest_tokens)
-rendezvous: Callable[[Any, np.uint64, Any], int] = JIT(_rendezvous)
-prefix_pick: Callable[..., int] = JIT(_prefix_pick)
+# in the order they call each other: numba resolves a kernel's calls when it compiles it
+DEFINITIONS: dict[str, Callable[..., Any]] = {
+    "least_value": _least_value,
+    "first_least": _first_least,
+    "least_at": _least_at,
+    "affinity": _affinity,
+    "total": _total,
+    "fewest_tokens": _fewest_tokens,
+    "rendezvous": _rendezvous,
+    "prefix_pick": _prefix_pick,
+}
+
+
+def _later(name: str) -> Any:
+    """Stands for a kernel until ``load``: called first, it loads them all and calls it."""
+
+    def first_call(*args: Any) -> Any:
+        load()
+        return globals()[name](*args)
+
+    return first_call
+
+
+least_value: Callable[[Any], Any] = _later("least_value")
+first_least: Callable[[Any, int], int] = _later("first_least")
+least_at: Callable[[Any, Any, int], int] = _later("least_at")
+affinity: Callable[[Any, Any, int, float, int], int] = _later("affinity")
+total: Callable[[Any, Any], int] = _later("total")
+fewest_tokens: Callable[[Any, Any, Any, int, Any], int] = _later("fewest_tokens")
+rendezvous: Callable[[Any, np.uint64, Any], int] = _later("rendezvous")
+prefix_pick: Callable[..., int] = _later("prefix_pick")
+
+
+@cache
+def load() -> None:
+    """numba imported and every kernel made, in this module's names (each compiled, or
+    read from the disk cache, on its first call)."""
+    found = globals()
+    for name, definition in DEFINITIONS.items():
+        found[name] = JIT(definition)
 
 
 @cache
@@ -224,6 +262,7 @@ def warm() -> None:
     process, when its first policy that scans is made (~0.25 s from the disk cache), never
     on a request. Each such policy calls it (``ByPool``, ``ConsistentHash``):
     the parent of ``--processes`` makes ``manual`` and ``consistent_hash`` itself."""
+    load()
     i64 = np.zeros(2, np.int64)
     slots = np.zeros(2, np.intp)
     least_at(i64, slots, 1)
