@@ -176,9 +176,9 @@ class ControlPlane:
                 row = event["row"]
                 seen.append([event["slot"], event["blocks"]])
                 continue
-            if kind == "output":
+            if kind == "outputs":
                 row = event["row"]
-                outputs.append([event["model"], event["tokens"]])
+                outputs += event["lengths"]
                 continue
             if kind == "listening":
                 self.listening.add(int(event["row"]))
