@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from dprouter.board import Board
-from dprouter.config import RouterConfig
+from dprouter.config import ConfigError, RouterConfig, validate
 from dprouter.estimate import OutputEstimate, completion_tokens
 from dprouter.load import sglang_load, vllm_loads
 from dprouter.parse import DEFAULT_OUTPUT
@@ -158,3 +158,31 @@ async def test_requests_are_counted_by_the_output_they_typically_run_to(
     r.close()  # the client leaves: 5,000 tokens would take the simulator 30 s
     assert 20 <= counted < 40  # prompt + ~20, not prompt + 5,000
     assert await until(lambda: target.outstanding_tokens == 0)
+
+
+async def test_with_output_budget_cap_a_request_is_counted_by_its_max_tokens(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """``--output-budget cap``: the client's max_tokens is the length it expects, whatever
+    the answers before ran to."""
+    (engine,) = (await start_cluster([EngineConfig(dp_size=1)])).servers
+    config = RouterConfig(workers=workers(engine.url), load_interval=0, output_budget="cap")
+    router = await start_router(config)
+    (target,) = router.registry.targets()
+    for _ in range(3):
+        async with http.post(
+            router.url + "/v1/completions", json={"prompt": "short", "max_tokens": 20}
+        ) as r:
+            assert r.status == 200
+    body = {"prompt": "a cap far above", "max_tokens": 5_000, "stream": True}
+    r = await http.post(router.url + "/v1/completions", json=body)
+    await r.content.readuntil(b"\n\n")
+    counted = target.outstanding_tokens
+    r.close()
+    assert 4_900 <= counted < 5_100  # prompt + 5,000, less what streamed by the first event
+    assert await until(lambda: target.outstanding_tokens == 0)
+
+
+def test_an_unknown_output_budget_is_refused() -> None:
+    with pytest.raises(ConfigError, match="output_budget must be typical or cap"):
+        validate(RouterConfig(output_budget="median"))

@@ -199,6 +199,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         connect_timeout=config.connect_timeout,
         first_byte_timeout=config.first_byte_timeout,
         seed=config.seed,
+        output_budget=config.output_budget,
     )
     if isinstance(parts.monitor, Follower):
         share_outputs(parts.monitor, rules.output)

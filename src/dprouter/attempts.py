@@ -78,6 +78,7 @@ class Rules:
         connect_timeout: float,
         first_byte_timeout: float,
         seed: int = 0,
+        output_budget: str = "typical",
     ) -> None:
         self.session = session
         self.breakers = breakers
@@ -87,7 +88,8 @@ class Rules:
         self.backoff = backoff
         self.connect_timeout = connect_timeout
         self.jitter = random.Random(seed)
-        self.output = OutputEstimate()  # typical output lengths, learned from the answers
+        # typical output lengths, learned from the answers (``cap``: max_tokens as sent)
+        self.output = OutputEstimate(learned=output_budget == "typical")
         fb = first_byte_timeout  # the answer must start in time; off: no timer per request
         self.first_byte_timeout = fb
         self.first_byte = (lambda: asyncio.timeout(fb)) if fb else (lambda: NO_TIMER)

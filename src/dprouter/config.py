@@ -65,6 +65,8 @@ class RouterConfig:
     seed: int = 0
     key_ttl: float = 3600.0
     session_bound: float = 1.5  # manual: a key leaves a target at bound x mean load + 2; 0: never
+    # a request's output counted as min(max_tokens, the typical length learned), or its cap
+    output_budget: str = "typical"
     cache_threshold: float = 0.5  # cache_aware: least share of the prompt a match must cover
     cache_bound: float = 1.5  # cache_aware: affinity holds while load <= bound x (mean + 1)
     max_body: int = 32 << 20
@@ -244,6 +246,8 @@ def validate(config: RouterConfig) -> RouterConfig:
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
     check_prefix(config)
+    if config.output_budget not in ("typical", "cap"):
+        raise ConfigError(f"output_budget must be typical or cap, got {config.output_budget!r}")
     if not 0 <= config.cache_threshold <= 1:
         raise ConfigError(f"cache_threshold must be in [0, 1], got {config.cache_threshold}")
     if config.health_failures < 1 or config.health_successes < 1:

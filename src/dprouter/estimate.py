@@ -45,9 +45,12 @@ def completion_tokens(body: bytes) -> int | None:
 
 
 class OutputEstimate:
-    """Typical output lengths, by model (None: requests that name none)."""
+    """Typical output lengths, by model (None: requests that name none). ``learned``
+    False (``--output-budget cap``): a request is counted by its cap as sent, for clients
+    whose ``max_tokens`` is the length they expect (a length predictor of their own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, learned: bool = True) -> None:
+        self.learned = learned
         self.typical: dict[str | None, float] = {}
         # several serving processes: what this one sees finish is told to the others
         self.tell: Callable[[int, str | None], None] | None = None
@@ -66,7 +69,7 @@ class OutputEstimate:
     def budget(self, limit: int | None, model: str | None = None) -> int:
         """The output tokens to count for a request whose cap is ``limit`` (None: unset)."""
         cap = DEFAULT_OUTPUT if limit is None else limit
-        t = self.typical.get(model)
+        t = self.typical.get(model) if self.learned else None
         return cap if t is None else min(cap, round(t))
 
     def apply(self, incoming: Incoming) -> None:

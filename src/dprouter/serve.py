@@ -280,6 +280,15 @@ def make_config(
     "many times the mean load + 2 (0: keys never move for load).",
 )
 @click.option(
+    "--output-budget",
+    type=click.Choice(["typical", "cap"]),
+    default="typical",
+    show_default=True,
+    help="The output tokens a request is counted by (min_tokens, prefix, token load): "
+    "min(max_tokens, the typical length of the answers seen), or max_tokens as sent (for "
+    "clients whose max_tokens is the length they expect).",
+)
+@click.option(
     "--max-body",
     type=click.IntRange(min=1),
     default=32 << 20,

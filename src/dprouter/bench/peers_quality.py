@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from dprouter.bench import peers
+from dprouter.bench.peers_checks import ORACLE, aims, processes
 from dprouter.bench.plots import bars
 from dprouter.bench.procs import DPROUTER, Proc, url_in
 from dprouter.bench.results import Cell, Result, Table
@@ -67,7 +68,9 @@ class Run:
     kind: str  # dprouter, or a peer's kind: smg, sglang-gateway, vllm-router
     args: tuple[str, ...]
     events: bool = False  # dprouter subscribes to the engines' KV events, with their tokenizer
-    paired: bool = False  # in the --processes comparison: run PAIRED_SEEDS times
+    paired: bool = False  # compared with another row to a few %: run PAIRED_SEEDS times
+    # the client sends each turn's true length as max_tokens (the oracle row), not the cap
+    exact: bool = False
 
 
 TWO = ("--processes", "2")
@@ -87,6 +90,14 @@ ROLLOUT_RUNS = (
         "dprouter",
         ("--policy", "least_load", *TWO),
         paired=True,
+    ),
+    # the best any admission-time router could do with min_tokens: told each decode's length
+    Run(
+        ORACLE,
+        "dprouter",
+        ("--policy", "min_tokens", "--output-budget", "cap"),
+        paired=True,
+        exact=True,
     ),
     Run("smg 1.13.0 --dp-aware, manual", "smg", ("manual", "dp-aware")),
     # smg's own minimum-tokens scheduler over the DP ranks: its answer to the DP-attention case
@@ -176,6 +187,7 @@ async def sessions(
     shared: int,
     seed: int,
     per_word: float = 1.0,
+    exact: bool = False,
 ) -> list[float]:
     """Closed-loop sessions; returns each turn's latency in simulated seconds. Prompts are
     text of random words (token-id prompts are not accepted by every router); sizes are
@@ -196,9 +208,11 @@ async def sessions(
         for _ in range(turns):
             n = max(16, min(decode[1], int(rng.lognormvariate(0, 1.0) * decode[0])))
             # the client sends the cap, as a rollout does; the engine stops after n tokens
-            # (the simulator's end of sequence: a prompt ending in "eos=N")
+            # (the simulator's end of sequence: a prompt ending in "eos=N"); ``exact``: the
+            # client knows n and sends it
             prompt = " ".join(context) + f" eos={n}"
-            body = {"model": "sim-model", "prompt": prompt, "max_tokens": decode[1]}
+            cap = n if exact else decode[1]
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": cap}
             t0 = loop.time()
             async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
                 await r.read()
@@ -276,7 +290,7 @@ async def _once(
     async with SimCluster([replace(engine, time_scale=SCALE)] * engines) as cluster:
         proc, url = await start(run, cluster.servers, engine)
         try:
-            latencies = await sessions(url, **workload, seed=seed)
+            latencies = await sessions(url, **workload, seed=seed, exact=run.exact)
         except RuntimeError as exc:
             print(f"{run.name}: {exc}")
             return None
@@ -388,16 +402,7 @@ def run(quick: bool, out: Path) -> Result:
         "DP attention rollouts: mean forward step behind each router",
         "ms",
     )
-    checks = {}
-    for one in ("dprouter, min_tokens", "dprouter, least_load"):
-        two = rollouts.get(f"{one}, --processes 2", {})
-        if "rank_max_over_mean" in two and "rank_max_over_mean" in rollouts.get(one, {}):
-            ratio = two["rank_max_over_mean"] / rollouts[one]["rank_max_over_mean"]
-            seeds = int(two["seeds"])
-            checks[
-                f"{one}: busiest/mean with --processes 2 within 5 % of 1 process "
-                f"(x{ratio:.3f} {_spread(two, rollouts[one])}, means of {seeds} seeds)"
-            ] = abs(ratio - 1) <= 0.05
+    checks = {**processes(rollouts), **aims(rollouts)}
     return Result(
         scenario="peers",
         title="4. Peers: the same simulated cluster behind each router",
@@ -415,7 +420,9 @@ def run(quick: bool, out: Path) -> Result:
             f"in simulated seconds. Each rollout run {SEEDS[quick]} time(s) "
             f"(the rows compared with and without --processes 2: {PAIRED_SEEDS[quick]}), one "
             "seeded workload each on a fresh cluster: means, busiest/mean with its range, "
-            "latencies pooled. "
+            "latencies pooled. The oracle row: each turn's client sends the turn's true length "
+            "as max_tokens and dprouter counts it as sent (--output-budget cap), so min_tokens "
+            "knows every decode's length at admission. "
             "Peers: "
             + peers.__doc__.split("Command lines, as run:")[1]
             .split("Known limits")[0]
@@ -452,16 +459,6 @@ def _balance(m: dict[str, float]) -> str:
     """Busiest/mean rank, with its range over seeds when there was more than one value."""
     mean, low, high = m["rank_max_over_mean"], m["balance_min"], m["balance_max"]
     return f"{mean:.2f}" if low == high else f"{mean:.2f} ({low:.2f}-{high:.2f})"
-
-
-def _spread(two: dict[str, float], one: dict[str, float]) -> str:
-    """How far the ratio of two means of seeds could move by chance: +- one standard error."""
-    n = two["seeds"]
-    if n < 2:
-        return "(one run)"
-    a, b = one["rank_max_over_mean"], two["rank_max_over_mean"]
-    error = (b / a) * ((one["balance_sd"] / a) ** 2 + (two["balance_sd"] / b) ** 2) ** 0.5
-    return f"+-{error / n**0.5:.3f}"
 
 
 def _row(m: dict[str, float], keys: Sequence[str]) -> list[Cell]:
