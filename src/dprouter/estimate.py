@@ -11,10 +11,10 @@ or SGLang's ``meta_info.completion_tokens``). Until one has finished, the cap
 (or ``DEFAULT_OUTPUT`` without one) stands. A decode that runs past its
 budget weighs its prompt alone in the router's count; the engine's report of
 the tokens it holds (see ``board``) is what shows it then. Under ``--processes``
-every serving process is told every length any of them saw finish, so that all
-count a request by the one ``typical`` (a process counting by its own half of
-the answers weighed the same request differently from the other, by up to the
-cap before its own first answer).
+every serving process is told every length any of them saw finish (within
+0.25 s), so that all count a request by about the same ``typical`` (a process
+counting by its own half of the answers weighed the same request differently
+from the other, by up to the cap before its own first answer).
 """
 
 from __future__ import annotations

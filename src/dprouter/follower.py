@@ -42,23 +42,30 @@ class Channel:
         )
         self._queue: list[dict[str, Any]] = []
         self._flush: asyncio.Task[None] | None = None
+        self.before_close: list[Callable[[], None]] = []  # last sends (batches kept back)
 
     def send(self, event: dict[str, Any]) -> None:
-        """Queued, and sent in one batch with the others of this loop turn."""
+        """Queued, and sent in one batch with the others of this loop turn (or, if a batch
+        is being posted, with the others queued meanwhile, as soon as it is)."""
         self._queue.append(event)
         if self._flush is None or self._flush.done():
             self._flush = asyncio.get_running_loop().create_task(self._send())
 
     async def _send(self) -> None:
         await asyncio.sleep(0)
-        batch, self._queue = self._queue, []
-        try:
-            async with self.session.post(BASE + "/control/events", data=orjson.dumps(batch)) as r:
-                await r.read()
-        except aiohttp.ClientError as exc:
-            log.warning("control plane unreachable (%s): %d event(s) lost", exc, len(batch))
+        while self._queue:  # what was queued during a post goes next
+            batch, self._queue = self._queue, []
+            try:
+                async with self.session.post(
+                    BASE + "/control/events", data=orjson.dumps(batch)
+                ) as r:
+                    await r.read()
+            except aiohttp.ClientError as exc:
+                log.warning("control plane unreachable (%s): %d event(s) lost", exc, len(batch))
 
     async def close(self) -> None:
+        for last in self.before_close:
+            last()
         if self._flush is not None:
             await asyncio.gather(self._flush, return_exceptions=True)
         await self.session.close()

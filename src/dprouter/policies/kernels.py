@@ -12,7 +12,8 @@ loads them before the first request. No fastmath: it would reorder the float ste
 numba is imported on the first use of a kernel, not with this module: importing it
 costs ~65 MB and ~0.15 s, and loading the kernels ~70 MB more, which a router whose
 policy scans nothing (``round_robin``, the default; ``random``; ``power_of_two``)
-never pays, in each of its serving processes.
+never pays, in each of its serving processes. Call a kernel as ``kernels.name``:
+a name imported from here before ``load`` stays the stand-in that loads them.
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ def JIT(function: Callable[..., Any]) -> Any:
         return njit(nogil=True, boundscheck=False)(function)
 
 
-# in the order they call each other: numba resolves a kernel's calls when it compiles it
+# a kernel calling another finds it in this module's names when numba compiles it (on its
+# first call, after ``load``)
 DEFINITIONS: dict[str, Callable[..., Any]] = {
     "least_value": _least_value,
     "first_least": _first_least,
