@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from dprouter.config import RouterConfig, WorkerSpec
+from dprouter.estimate import OutputEstimate
 from dprouter.processes import Supervisor
 from dprouter.sim.config import EngineConfig, Faults, PdConfig, PdMode
 from tests.conftest import StartCluster, metric_sum, until, workers
@@ -289,9 +290,9 @@ async def test_every_process_counts_a_request_by_the_lengths_all_of_them_saw_fin
     by that answer's length, not by its 3,000-token cap, whichever process took it."""
     cluster = await start_cluster([EngineConfig(dp_size=2)])
     sup = await start_processes(RouterConfig(workers=workers(*cluster.urls), policy="min_tokens"))
-    told = sup.control.forwarded
     await post(sup.url, SHORT)
-    assert await until(lambda: sup.control.forwarded > told)  # the other process knows
+    board = OutputEstimate(board=sup.registry.board)  # the average both processes keep
+    assert await until(lambda: board.budget(3000) == 2)
     opened: list[int] = []
     for _ in range(12):
         opened.clear()

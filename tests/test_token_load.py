@@ -4,11 +4,12 @@ output budget a stream spends as its tokens pass."""
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import aiohttp
 import pytest
 
-from dprouter.board import Board
+from dprouter.board import MODELS, Board
 from dprouter.config import ConfigError, RouterConfig, validate
 from dprouter.estimate import OutputEstimate, completion_tokens
 from dprouter.load import sglang_load, vllm_loads
@@ -139,6 +140,26 @@ def test_a_budget_is_the_cap_until_lengths_are_known_then_the_typical_length() -
     assert estimate.budget(12_000) == 300  # what requests really run to
     assert estimate.budget(100) == 100  # never above the cap
     assert estimate.budget(0) == 0  # SGLang prefill only
+
+
+def test_on_a_board_every_process_reads_and_updates_one_average() -> None:
+    """Two serving processes' estimates on one board: a length one saw moves the other's
+    budget at once; a model whose cell another model holds is averaged by each alone."""
+    board = Board(slots=4)
+    one, two = OutputEstimate(board=board), OutputEstimate(board=board)
+    assert one.budget(5_000, "m") == two.budget(5_000, "m") == 5_000
+    one.observe(300, "m")
+    assert two.budget(5_000, "m") == 300
+    two.observe(500, "m")
+    assert one.budget(5_000, "m") == two.budget(5_000, "m") == 310  # 300 + 0.05 x 200
+
+    def bucket(name: str) -> int:
+        return (zlib.crc32(name.encode()) + 1) % MODELS
+
+    taken = next(f"x{i}" for i in range(10_000) if bucket(f"x{i}") == bucket("m"))
+    assert one.cell(taken) == -1  # its cell is m's: kept per process
+    one.observe(40, taken)
+    assert one.budget(5_000, taken) == 40 and two.budget(5_000, taken) == 5_000
 
 
 async def test_requests_are_counted_by_the_output_they_typically_run_to(

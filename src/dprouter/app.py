@@ -30,7 +30,7 @@ from dprouter.kvevents.index import KvIndex
 from dprouter.kvevents.lookup import Lookup
 from dprouter.kvevents.metrics import KvCollector
 from dprouter.lag import LoopLag
-from dprouter.learned import share_outputs, share_prefixes
+from dprouter.learned import share_prefixes
 from dprouter.membership import Source, read_within, sources
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
@@ -200,9 +200,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         first_byte_timeout=config.first_byte_timeout,
         seed=config.seed,
         output_budget=config.output_budget,
+        board=parts.registry.board,
     )
-    if isinstance(parts.monitor, Follower):
-        share_outputs(parts.monitor, rules.output)
     if config.pd is not None:
         policies: dict[Side, Policy] = {
             side: make_policy(config.role_policy(side), config.policy_options())

@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from dprouter.board import Board
 from dprouter.breaker import Breakers
 from dprouter.estimate import OutputEstimate
 from dprouter.metrics import RouterMetrics
@@ -79,6 +80,7 @@ class Rules:
         first_byte_timeout: float,
         seed: int = 0,
         output_budget: str = "typical",
+        board: Board | None = None,
     ) -> None:
         self.session = session
         self.breakers = breakers
@@ -89,7 +91,7 @@ class Rules:
         self.connect_timeout = connect_timeout
         self.jitter = random.Random(seed)
         # typical output lengths, learned from the answers (``cap``: max_tokens as sent)
-        self.output = OutputEstimate(learned=output_budget == "typical")
+        self.output = OutputEstimate(learned=output_budget == "typical", board=board)
         fb = first_byte_timeout  # the answer must start in time; off: no timer per request
         self.first_byte_timeout = fb
         self.first_byte = (lambda: asyncio.timeout(fb)) if fb else (lambda: NO_TIMER)

@@ -25,7 +25,8 @@ Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
 ``base[slots]``, ``reported_tokens[slots]``, ``token_load[slots]``,
 ``token_base[slots]``, then two cells: the row (+1) holding the turn, 0 if none;
 the routing keys ``manual`` moved off overloaded targets (one writer: the
-process that owns the key table).
+process that owns the key table); then ``MODELS`` pairs of cells for the typical
+output lengths (``estimate``): a model's key, its typical length in thousandths.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ if TYPE_CHECKING:
 SLOTS = 1 << 15  # targets + workers a router can hold (4,096 ranks is 1/8 of it)
 I64 = npt.NDArray[np.int64]
 ROWS = 8  # whole-router rows
+MODELS = 64  # models whose typical output length the board keeps (more: kept per process)
 
 
 def size_of(rows: int, slots: int = SLOTS) -> int:
-    return ((2 * rows + ROWS) * slots + 2) * 8
+    return ((2 * rows + ROWS) * slots + 2 + 2 * MODELS) * 8
 
 
 class Board:
@@ -90,6 +92,7 @@ class Board:
         self.token_base_base = 2 * own + 7 * slots
         self.turn_cell = 2 * own + ROWS * slots
         self.moves_cell = self.turn_cell + 1
+        self.models_base = self.moves_cell + 1  # MODELS x (key, typical x 1000)
         # the rows policies read, one cell per slot (an itemgetter over slots reads many)
         self.load_cells = self.cells[self.load_base : self.load_base + slots]
         self.token_load_cells = self.cells[self.token_load_base : self.token_load_base + slots]

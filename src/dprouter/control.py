@@ -92,7 +92,7 @@ class ControlPlane:
         self.listening: set[int] = set()  # rows of the serving processes that listen
         self.joined = asyncio.Event()  # set when one more starts listening
         self.started = time.time()  # the router's start, for the dashboard's uptime
-        self.forwarded = 0  # batches of what one process learned, passed to the others
+        self.forwarded = 0  # batches of cache_aware's prefixes passed between processes
         self._followers: dict[int, asyncio.Queue[bytes | None]] = {}  # by row; None: a state
         self._due: set[int] = set()  # rows with a state queued already
         registry.listeners.append(self.changed)
@@ -168,17 +168,12 @@ class ControlPlane:
         by_slot = {t.slot: t for t in self.registry.targets()}
         failed = False
         seen: list[list[Any]] = []
-        outputs: list[list[Any]] = []
         row = -1  # a batch comes from one process
         for event in orjson.loads(await request.read()):
             kind = event["kind"]
             if kind == "seen":
                 row = event["row"]
                 seen.append([event["slot"], event["blocks"]])
-                continue
-            if kind == "outputs":
-                row = event["row"]
-                outputs += event["lengths"]
                 continue
             if kind == "listening":
                 self.listening.add(int(event["row"]))
@@ -201,14 +196,13 @@ class ControlPlane:
                 self.breakers.rest(target, float(event["seconds"]))
         if failed:
             self.changed()  # followers learn which targets are failing: a success resets them
-        if seen or outputs:
-            self._forward(row, {"seen": seen, "outputs": outputs})
+        if seen:
+            self._forward(row, {"seen": seen})
         return web.json_response({})
 
     def _forward(self, row: int, learned: dict[str, list[list[Any]]]) -> None:
         """To every other serving process: where prompts went, so that each process's
-        ``cache_aware`` knows what all of them sent, and the output lengths seen finish,
-        so that all count a request alike (``estimate``)."""
+        ``cache_aware`` knows what all of them sent."""
         line = orjson.dumps(learned) + b"\n"
         for other, queue in self._followers.items():
             if other != row:

@@ -10,19 +10,21 @@ stream's events as they pass; a whole answer's ``usage.completion_tokens``,
 or SGLang's ``meta_info.completion_tokens``). Until one has finished, the cap
 (or ``DEFAULT_OUTPUT`` without one) stands. A decode that runs past its
 budget weighs its prompt alone in the router's count; the engine's report of
-the tokens it holds (see ``board``) is what shows it then. Under ``--processes``
-every serving process is told every length any of them saw finish (within
-0.25 s), so that all count a request by about the same ``typical`` (a process
-counting by its own half of the answers weighed the same request differently
-from the other, by up to the cap before its own first answer).
+the tokens it holds (see ``board``) is what shows it then. The averages live on
+the board: under ``--processes`` every serving process updates and reads the
+same one, so all count a request alike (a process averaging only the answers it
+served weighed the same request differently from the other, by up to the cap
+before its own first answer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import zlib
+from contextlib import AbstractContextManager, nullcontext
 
 from aiohttp import web
 
+from dprouter.board import MODELS, Board
 from dprouter.parse import DEFAULT_OUTPUT, Incoming
 from dprouter.relay import was_cut
 from dprouter.targets import Outstanding
@@ -45,37 +47,75 @@ def completion_tokens(body: bytes) -> int | None:
 
 
 class OutputEstimate:
-    """Typical output lengths, by model (None: requests that name none). ``learned``
-    False (``--output-budget cap``): a request is counted by its cap as sent, for clients
-    whose ``max_tokens`` is the length they expect (a length predictor of their own)."""
+    """Typical output lengths, by model (None: requests that name none). On a ``board``,
+    the averages are the board's (under ``--processes``, shared memory: every serving
+    process updates and reads the one average of a model, in the decision's turn), so all
+    count a request alike; a model whose cell another holds is averaged here alone.
+    ``learned`` False (``--output-budget cap``): a request is counted by its cap as sent,
+    for clients whose ``max_tokens`` is the length they expect."""
 
-    def __init__(self, learned: bool = True) -> None:
+    def __init__(self, learned: bool = True, board: Board | None = None) -> None:
         self.learned = learned
-        self.typical: dict[str | None, float] = {}
-        # several serving processes: what this one sees finish is told to the others
-        self.tell: Callable[[int, str | None], None] | None = None
+        self.board = board
+        self.typical: dict[str | None, float] = {}  # models without a cell on the board
+        self._cells: dict[str | None, int] = {}  # a model's cell for its average, -1: none
+
+    def cell(self, model: str | None) -> int:
+        """The board cell of ``model``'s average (thousandths of a token; 0: none yet), or
+        -1: no board, or its cell is another model's."""
+        found = self._cells.get(model)
+        if found is not None:
+            return found
+        found = -1
+        board = self.board
+        if board is not None:
+            key = zlib.crc32(str(model).encode()) + 1  # 0 marks a free cell
+            at = board.models_base + 2 * (key % MODELS)
+            with _turn(board):
+                if board.cells[at] in (0, key):
+                    board.cells[at] = key
+                    found = at + 1
+        self._cells[model] = found
+        return found
 
     def observe(self, generated: int, model: str | None = None) -> None:
-        """A request for ``model`` finished here after ``generated`` output tokens."""
-        self.update(generated, model)
-        if self.tell is not None:
-            self.tell(generated, model)
-
-    def update(self, generated: int, model: str | None = None) -> None:
-        """One length more in the average (one seen here, or told by another process)."""
-        t = self.typical.get(model)
-        self.typical[model] = float(generated) if t is None else t + WEIGHT * (generated - t)
+        """A request for ``model`` finished after ``generated`` output tokens."""
+        at = self.cell(model)
+        if at < 0:
+            t = self.typical.get(model)
+            self.typical[model] = float(generated) if t is None else t + WEIGHT * (generated - t)
+            return
+        board = self.board
+        assert board is not None
+        with _turn(board):
+            t = board.cells[at] / 1000
+            new = float(generated) if not t else t + WEIGHT * (generated - t)
+            board.cells[at] = max(1, round(new * 1000))  # 0 is "none yet"
 
     def budget(self, limit: int | None, model: str | None = None) -> int:
         """The output tokens to count for a request whose cap is ``limit`` (None: unset)."""
         cap = DEFAULT_OUTPUT if limit is None else limit
-        t = self.typical.get(model) if self.learned else None
+        if not self.learned:
+            return cap
+        at = self.cell(model)
+        if at < 0:
+            t = self.typical.get(model)
+        else:
+            assert self.board is not None
+            thousandths = self.board.cells[at]
+            t = thousandths / 1000 if thousandths else None
         return cap if t is None else min(cap, round(t))
 
     def apply(self, incoming: Incoming) -> None:
         """Count ``incoming`` by its budget: prompt + min(cap, typical)."""
         incoming.output = self.budget(incoming.limit, incoming.model)
         incoming.tokens = incoming.prompt_tokens + incoming.output
+
+
+def _turn(board: Board) -> AbstractContextManager[None]:
+    """The board's turn (several serving processes), unless this process holds it already."""
+    turn = board.turn
+    return turn if turn is not None and not turn.held else nullcontext()
 
 
 def learn(

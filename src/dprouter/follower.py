@@ -105,8 +105,6 @@ class Follower(Monitor):
         self.failing: set[int] = set()  # slots the parent counts failures for
         # another process's cache_aware sent these blocks to this target
         self.on_seen: Callable[[Target, list[int]], None] | None = None
-        # another process saw a request for a model finish after so many output tokens
-        self.on_output: Callable[[int, str | None], None] | None = None
         self._follow: asyncio.Task[None] | None = None
         self._slots: tuple[int, dict[int, Target]] = (-1, {})  # by snapshot version
 
@@ -135,9 +133,6 @@ class Follower(Monitor):
                     state = orjson.loads(line)
                     if "seen" in state:
                         self._seen(state["seen"])
-                        if self.on_output is not None:
-                            for model, tokens in state["outputs"]:
-                                self.on_output(tokens, model)
                         continue
                     apply(self.registry, state)
                     self.failing = {t[1] for w in state["workers"] for t in w["targets"] if t[3]}
@@ -153,7 +148,7 @@ class Follower(Monitor):
         os.kill(os.getpid(), signal.SIGTERM)
 
     def _seen(self, seen: list[list[Any]]) -> None:
-        if self.on_seen is None or not seen:
+        if self.on_seen is None:
             return
         snapshot = self.registry.snapshot
         if self._slots[0] != snapshot.version:

@@ -57,7 +57,6 @@ class CacheAware:
         self.seen: dict[str, OrderedDict[int, None]] = {}  # per target, oldest block first
         self.owners: dict[int, set[str]] = {}  # block -> targets holding it (an inverted index)
         self._pool: Sequence[Target] | None = None
-        self._by_label: dict[str, Target] = {}
         self._labels: frozenset[str] = frozenset()  # so ``owners & labels`` walks the smaller
         self._slots: dict[str, int] = {}  # the pool's targets' board slots, by label
         self._position: dict[str, int] = {}  # the pool's targets' places in it, by label
@@ -70,45 +69,48 @@ class CacheAware:
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
         blocks = text_blocks(request.text)
-        chosen = targets[0] if len(targets) == 1 else self._choose(targets, blocks)
+        if len(targets) == 1:
+            chosen = targets[0]
+        else:
+            reader = self.readers.of(targets)
+            # the balance rule sees every target's load: one compiled pass sums the pool's
+            # and, past the bound, finds the least loaded from the rotating start
+            chosen = targets[
+                kernels.affinity(
+                    reader.board.load,
+                    reader.index,
+                    self._best_match(targets, blocks),
+                    self.bound,
+                    self.start % len(targets),
+                )
+            ]
         self._remember(chosen, blocks)
         if self.tell is not None:
             self.tell(chosen, blocks)
         return chosen
 
-    def _choose(self, targets: Sequence[Target], blocks: list[int]) -> Target:
-        reader = self.readers.of(targets)
-        match = self._best_match(targets, blocks)
-        # the balance rule sees every target's load: one compiled pass sums the pool's and,
-        # past the bound, finds the least loaded from the rotating start
-        at = self._position[match.label] if match is not None else -1
-        return targets[
-            kernels.affinity(
-                reader.board.load, reader.index, at, self.bound, self.start % len(targets)
-            )
-        ]
-
     def learn(self, target: Target, blocks: list[int]) -> None:
         """Another serving process sent a prompt of these blocks to ``target``."""
         self._remember(target, blocks)
 
-    def _best_match(self, targets: Sequence[Target], blocks: list[int]) -> Target | None:
-        """The least loaded of the targets holding the longest run of leading blocks."""
+    def _best_match(self, targets: Sequence[Target], blocks: list[int]) -> int:
+        """Where in the pool the least loaded of the targets holding the longest run of
+        leading blocks is (-1: no run long enough)."""
         if targets is not self._pool:
-            self._pool, self._by_label = targets, {t.label: t for t in targets}
-            self._labels = frozenset(self._by_label)
+            self._pool = targets
+            self._labels = frozenset(t.label for t in targets)
             self._slots = {t.label: t.slot for t in targets}
             self._position = {t.label: i for i, t in enumerate(targets)}
         depth = self._depth(blocks)
         if not depth or depth < self.threshold * len(blocks):
-            return None
+            return -1
         holders = self.owners[blocks[depth - 1]] & self._labels
         if len(holders) == 1:
             (label,) = holders
-            return self._by_label[label]
+            return self._position[label]
         # the least loaded holder; equal loads: the first label in order
         cells, slots = targets[0].board.load_cells, self._slots
-        return self._by_label[min(holders, key=lambda label: (cells[slots[label]], label))]
+        return self._position[min(holders, key=lambda label: (cells[slots[label]], label))]
 
     def _depth(self, blocks: list[int]) -> int:
         """How many leading blocks a target of the pool holds. A target holding a block
