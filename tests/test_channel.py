@@ -43,15 +43,3 @@ async def test_what_is_sent_while_a_batch_is_being_posted_goes_next(tmp_path: Pa
         await channel.close()
         await runner.cleanup()
 
-
-async def test_closing_sends_what_was_kept_back(tmp_path: Path) -> None:
-    batches: list[list[dict[str, Any]]] = []
-    runner = await slow_parent(tmp_path / "control.sock", batches)
-    channel = Channel(str(tmp_path / "control.sock"))
-    kept = [{"kind": "outputs", "lengths": [[None, 7]]}]
-    channel.before_close.append(lambda: channel.send(kept.pop()) if kept else None)
-    try:
-        await channel.close()
-        assert batches == [[{"kind": "outputs", "lengths": [[None, 7]]}]]
-    finally:
-        await runner.cleanup()

@@ -168,12 +168,10 @@ class ControlPlane:
         by_slot = {t.slot: t for t in self.registry.targets()}
         failed = False
         seen: list[list[Any]] = []
-        row = -1  # a batch comes from one process
         for event in orjson.loads(await request.read()):
             kind = event["kind"]
             if kind == "seen":
-                row = event["row"]
-                seen.append([event["slot"], event["blocks"]])
+                seen.append([event["row"], event["slot"], event["blocks"]])
                 continue
             if kind == "listening":
                 self.listening.add(int(event["row"]))
@@ -197,13 +195,14 @@ class ControlPlane:
         if failed:
             self.changed()  # followers learn which targets are failing: a success resets them
         if seen:
-            self._forward(row, {"seen": seen})
+            self._forward(seen)
         return web.json_response({})
 
-    def _forward(self, row: int, learned: dict[str, list[list[Any]]]) -> None:
+    def _forward(self, seen: list[list[Any]]) -> None:
         """To every other serving process: where prompts went, so that each process's
-        ``cache_aware`` knows what all of them sent."""
-        line = orjson.dumps(learned) + b"\n"
+        ``cache_aware`` knows what all of them sent (a batch comes from one process)."""
+        row = seen[0][0]
+        line = orjson.dumps({"seen": [[slot, blocks] for _, slot, blocks in seen]}) + b"\n"
         for other, queue in self._followers.items():
             if other != row:
                 queue.put_nowait(line)

@@ -42,7 +42,6 @@ class Channel:
         )
         self._queue: list[dict[str, Any]] = []
         self._flush: asyncio.Task[None] | None = None
-        self.before_close: list[Callable[[], None]] = []  # last sends (batches kept back)
 
     def send(self, event: dict[str, Any]) -> None:
         """Queued, and sent in one batch with the others of this loop turn (or, if a batch
@@ -64,8 +63,6 @@ class Channel:
                 log.warning("control plane unreachable (%s): %d event(s) lost", exc, len(batch))
 
     async def close(self) -> None:
-        for last in self.before_close:
-            last()
         if self._flush is not None:
             await asyncio.gather(self._flush, return_exceptions=True)
         await self.session.close()
