@@ -30,7 +30,6 @@ from dprouter.kvevents.index import KvIndex
 from dprouter.kvevents.lookup import Lookup
 from dprouter.kvevents.metrics import KvCollector
 from dprouter.lag import LoopLag
-from dprouter.learned import share_prefixes
 from dprouter.membership import Source, read_within, sources
 from dprouter.metrics import RouterMetrics
 from dprouter.monitor import Monitor, MonitorOptions
@@ -45,6 +44,7 @@ from dprouter.proxy import Proxy
 from dprouter.registry import Registry, worker_from_spec
 from dprouter.relay import error
 from dprouter.session import upstream_session
+from dprouter.targets import Target
 from dprouter.tokenizer import TokenizerError
 from dprouter.turn import Turn
 
@@ -139,6 +139,17 @@ def prefix_parts(config: RouterConfig, registry: Registry) -> tuple[Lookup, Feed
         pool.shutdown()
         raise ConfigError(f"cannot load a tokenizer: {exc}") from None
     return Lookup(tokens, index, pool), Feed(registry, index)
+
+
+def share_prefixes(follower: Follower, policy: CacheAware) -> None:
+    """Several serving processes: each ``cache_aware`` knows where all of them sent what."""
+    row, channel = follower.row, follower.channel
+
+    def tell(target: Target, blocks: list[int]) -> None:
+        channel.send({"kind": "seen", "row": row, "slot": target.slot, "blocks": blocks})
+
+    policy.tell = tell
+    follower.on_seen = policy.learn
 
 
 def monitor_options(config: RouterConfig) -> MonitorOptions:
