@@ -31,6 +31,7 @@ output lengths (``estimate``): a model's key, its typical length in thousandths.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -135,13 +136,19 @@ class Board:
 
     # -- writing --------------------------------------------------------------------
 
+    def step(self) -> AbstractContextManager[object]:
+        """A write of several cells in one step for all processes: the turn, unless there is
+        none (one process) or this process holds it already (a decision's count)."""
+        turn = self.turn
+        return turn if turn is not None and not turn.held else nullcontext()
+
     def moved(self) -> None:
         """A routing key left an overloaded target."""
         self.cells[self.moves_cell] += 1
 
     def add(self, slot: int, requests: int, tokens: int, also: int = -1) -> None:
         """Count ``requests`` and ``tokens`` on ``slot`` (and on ``also``: a target's
-        worker, in the same step)."""
+        worker, in the same step). ``step`` written out: this runs twice per request."""
         turn = self.turn
         if turn is None or turn.held:
             self._add(slot, requests, tokens, also)
@@ -184,11 +191,10 @@ class Board:
     def report(self, slot: int, value: int, tokens: int = 0) -> None:
         """What the engine says runs and waits there, and the tokens it holds (0: it
         does not say; then the router's own count is the token load)."""
-        turn = self.turn
-        if turn is not None and not turn.held:
-            with turn:
-                self.report(slot, value, tokens)
-            return
+        with self.step():
+            self._report(slot, value, tokens)
+
+    def _report(self, slot: int, value: int, tokens: int) -> None:
         c = self.cells
         c[self.reported_base + slot] = value
         n = c[self.inflight_base + slot]
@@ -201,10 +207,10 @@ class Board:
 
     def release(self, row: int) -> None:
         """A serving process died: what it had in flight is in flight no more."""
-        if self.turn is not None and not self.turn.held:
-            with self.turn:
-                self.release(row)
-            return
+        with self.step():
+            self._release(row)
+
+    def _release(self, row: int) -> None:
         self.inflight -= self.own_inflight[row]
         self.tokens -= self.own_tokens[row]
         np.maximum(self.inflight, self.reported + self.inflight - self.base, out=self.load)

@@ -20,7 +20,6 @@ before its own first answer).
 from __future__ import annotations
 
 import zlib
-from contextlib import AbstractContextManager, nullcontext
 
 from aiohttp import web
 
@@ -71,7 +70,7 @@ class OutputEstimate:
         if board is not None:
             key = zlib.crc32(str(model).encode()) + 1  # 0 marks a free cell
             at = board.models_base + 2 * (key % MODELS)
-            with _turn(board):
+            with board.step():
                 if board.cells[at] in (0, key):
                     board.cells[at] = key
                     found = at + 1
@@ -87,7 +86,7 @@ class OutputEstimate:
             return
         board = self.board
         assert board is not None
-        with _turn(board):
+        with board.step():
             t = board.cells[at] / 1000
             new = float(generated) if not t else t + WEIGHT * (generated - t)
             board.cells[at] = max(1, round(new * 1000))  # 0 is "none yet"
@@ -110,12 +109,6 @@ class OutputEstimate:
         """Count ``incoming`` by its budget: prompt + min(cap, typical)."""
         incoming.output = self.budget(incoming.limit, incoming.model)
         incoming.tokens = incoming.prompt_tokens + incoming.output
-
-
-def _turn(board: Board) -> AbstractContextManager[None]:
-    """The board's turn (several serving processes), unless this process holds it already."""
-    turn = board.turn
-    return turn if turn is not None and not turn.held else nullcontext()
 
 
 def learn(
