@@ -42,4 +42,3 @@ async def test_what_is_sent_while_a_batch_is_being_posted_goes_next(tmp_path: Pa
     finally:
         await channel.close()
         await runner.cleanup()
-
