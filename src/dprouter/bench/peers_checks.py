@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import statistics
 
-def processes(rollouts: dict[str, dict[str, float]]) -> dict[str, bool]:
+
+def processes(
+    rollouts: dict[str, dict[str, float]], balances: dict[str, list[float]]
+) -> dict[str, bool]:
     """Each policy's busiest/mean rank with --processes 2 within 5 % of one process's: the
-    ratio of the means of seeds, named with its standard error."""
+    ratio of the means of seeds, named with its standard error (the seeds paired: both
+    rows ran each seed's workload, one after the other) and the ratio of mean steps."""
     checks = {}
     for one in ("dprouter, min_tokens", "dprouter, least_load"):
         two = rollouts.get(f"{one}, --processes 2", {})
         if "rank_max_over_mean" in two and "rank_max_over_mean" in rollouts.get(one, {}):
             ratio = two["rank_max_over_mean"] / rollouts[one]["rank_max_over_mean"]
+            step = two["step_ms"] / rollouts[one]["step_ms"]
             seeds = int(two["seeds"])
+            error = spread(balances[one], balances[f"{one}, --processes 2"])
             checks[
                 f"{one}: busiest/mean with --processes 2 within 5 % of 1 process "
-                f"(x{ratio:.3f} {spread(two, rollouts[one])}, means of {seeds} seeds)"
+                f"(x{ratio:.3f} {error}, means of {seeds} seeds; mean step x{step:.3f})"
             ] = abs(ratio - 1) <= 0.05
     return checks
 
@@ -59,11 +66,14 @@ def aims(rollouts: dict[str, dict[str, float]]) -> dict[str, bool]:
     return found
 
 
-def spread(two: dict[str, float], one: dict[str, float]) -> str:
-    """How far the ratio of two means of seeds could move by chance: +- one standard error."""
-    n = two["seeds"]
+def spread(one: list[float], two: list[float]) -> str:
+    """How far the ratio of two means over the same seeds could move by chance: +- one
+    standard error of the ratio estimate, from the paired differences ``two - ratio x one``."""
+    n = min(len(one), len(two))
     if n < 2:
         return "(one run)"
-    a, b = one["rank_max_over_mean"], two["rank_max_over_mean"]
-    error = (b / a) * ((one["balance_sd"] / a) ** 2 + (two["balance_sd"] / b) ** 2) ** 0.5
-    return f"+-{error / n**0.5:.3f}"
+    one, two = one[:n], two[:n]
+    mean = statistics.mean(one)
+    ratio = statistics.mean(two) / mean
+    error = statistics.stdev(b - ratio * a for a, b in zip(one, two, strict=True))
+    return f"+-{error / mean / n**0.5:.3f}"
