@@ -26,6 +26,22 @@ def processes(
     return checks
 
 
+def hits(chats: dict[str, dict[str, float]]) -> dict[str, bool]:
+    """``cache_aware``'s hit rate with --processes 2 within 0.02 of one process's: each
+    process learns where the others sent each prompt, so they route as one."""
+    one, two = (
+        chats.get("dprouter, cache_aware", {}),
+        chats.get("dprouter, cache_aware, --processes 2", {}),
+    )
+    if "hit_rate" not in one or "hit_rate" not in two:
+        return {}
+    a, b = one["hit_rate"], two["hit_rate"]
+    return {
+        f"dprouter, cache_aware: hit rate with --processes 2 within 0.02 of 1 process "
+        f"({b:.3f} against {a:.3f})": abs(b - a) <= 0.02
+    }
+
+
 ORACLE = "dprouter, min_tokens, told each turn's length (an oracle)"
 
 

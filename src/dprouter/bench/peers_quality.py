@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from dprouter.bench import peers
-from dprouter.bench.peers_checks import ORACLE, aims, processes
+from dprouter.bench.peers_checks import ORACLE, aims, hits, processes
 from dprouter.bench.plots import bars
 from dprouter.bench.procs import DPROUTER, Proc, url_in
 from dprouter.bench.results import Cell, Result, Table
@@ -115,6 +115,7 @@ ROLLOUT_RUNS = (
 PREFIX_RUNS = (
     Run("dprouter, round_robin", "dprouter", ("--policy", "round_robin")),
     Run("dprouter, cache_aware", "dprouter", ("--policy", "cache_aware")),
+    Run("dprouter, cache_aware, --processes 2", "dprouter", ("--policy", "cache_aware", *TWO)),
     Run("dprouter, consistent_hash", "dprouter", ("--policy", "consistent_hash")),
     Run("dprouter, prefix", "dprouter", ("--policy", "prefix"), events=True),
     Run("smg 1.13.0 --dp-aware, cache_aware", "smg", ("cache_aware", "dp-aware")),
@@ -233,6 +234,7 @@ QUICK = {
     "dprouter, least_load",
     "dprouter, least_load, --processes 2",
     "dprouter, cache_aware",
+    "dprouter, cache_aware, --processes 2",
     "dprouter, prefix",
     "smg 1.13.0 --dp-aware, manual",
     "smg 1.13.0 --dp-aware, cache_aware",
@@ -421,7 +423,7 @@ def run(quick: bool, out: Path) -> Result:
         "DP attention rollouts: mean forward step behind each router",
         "ms",
     )
-    checks = {**processes(rollouts, balances), **aims(rollouts)}
+    checks = {**processes(rollouts, balances), **hits(chats), **aims(rollouts)}
     return Result(
         scenario="peers",
         title="4. Peers: the same simulated cluster behind each router",
