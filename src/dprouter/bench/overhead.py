@@ -191,6 +191,9 @@ def run(quick: bool, out: Path) -> Result:
     checks |= cores.checks(every)
     plain_cpu = ours[LOADS[0][0]]["cpu_ms_per_req"]
     bare_cpu = found[BARE][LOADS[0][0]]["cpu_ms_per_req"]
+    for name in (LOADS[0][0], LOADS[2][0]):  # the aim: per plain request, per stream
+        own = ours[name]["cpu_ms_per_req"] - found[BARE][name]["cpu_ms_per_req"]
+        checks[f"dprouter's own logic <= 0.1 ms of CPU ({name}: {own:.3f} ms)"] = own <= 0.1
     return Result(
         scenario="overhead",
         title="5. Overhead: a trivial backend, direct and through each router",
