@@ -8,7 +8,9 @@ import statistics
 def processes(
     rollouts: dict[str, dict[str, float]], balances: dict[str, list[float]]
 ) -> dict[str, bool]:
-    """Each policy's busiest/mean rank with --processes 2 within 5 % of one process's: the
+    """Each policy's busiest/mean rank with --processes 2 at most 5 % above one process's
+    (the aim: sharing the view of load across processes costs no balance; below is no
+    fault, and one seed past 2.5 in the one-process row has put a mean 8 % above): the
     ratio of the means of seeds, named with its standard error (the seeds paired: both
     rows ran each seed's workload, one after the other) and the ratio of mean steps."""
     checks = {}
@@ -20,9 +22,9 @@ def processes(
             seeds = int(two["seeds"])
             error = spread(balances[one], balances[f"{one}, --processes 2"])
             checks[
-                f"{one}: busiest/mean with --processes 2 within 5 % of 1 process "
+                f"{one}: busiest/mean with --processes 2 at most 5 % above 1 process's "
                 f"(x{ratio:.3f} {error}, means of {seeds} seeds; mean step x{step:.3f})"
-            ] = abs(ratio - 1) <= 0.05
+            ] = ratio <= 1.05
     return checks
 
 
