@@ -6,7 +6,12 @@ measured in turn, in interleaved rounds, at 64 and 512 connections. Scaling
 efficiency of ``--processes 2`` = its req/s over the ideal req/s, the ideal
 being the CPU the backend and the load generator leave over, spent at the
 ``--processes 1`` router's CPU per request. The cost of sharing = CPU per
-request with 2 processes over CPU per request with 1.
+request with 2 processes over CPU per request with 1. Preempted per request: times the
+router's processes were switched out while runnable. On two cores, two serving processes
+beside the backend and the load generator are preempted about 0.6 times a request (one
+process: 0.05), and each switch costs a cold cache: what the 64-connection ratio above
+1 then mostly is (pinning each process to a core, SCHED_BATCH, or no multiprocess
+metrics measured no change).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 from dprouter.bench import peers
 from dprouter.bench.load import Outcome, closed_loop
 from dprouter.bench.overhead import merge
-from dprouter.bench.procs import DPROUTER, Proc, cpu_seconds, url_in
+from dprouter.bench.procs import DPROUTER, Proc, cpu_seconds, preemptions, url_in
 from dprouter.bench.results import Cell, Table
 
 LOADS = (("plain, 64 connections", 64), ("plain, 512 connections", 512))
@@ -42,7 +47,8 @@ async def measure(seconds: float, rounds: int) -> dict[str, dict[str, dict[str, 
     backend_url = url_in(await backend.start("ready"))
     routers: dict[str, tuple[Proc, str]] = {}
     pooled = {(k, name): Outcome() for k in kinds for name, _ in LOADS}
-    used = {key: [0.0, 0.0, 0.0, 0.0] for key in pooled}  # router, backend, client CPU; wall
+    # router, backend, client CPU; wall; the router's preemptions
+    used = {key: [0.0, 0.0, 0.0, 0.0, 0.0] for key in pooled}
     try:
         for kind in kinds:
             routers[kind] = await start(kind, backend_url)
@@ -52,13 +58,14 @@ async def measure(seconds: float, rounds: int) -> dict[str, dict[str, dict[str, 
             for kind, (proc, url) in routers.items():
                 for name, conns in LOADS:
                     before = (cpu_seconds(proc.pid), cpu_seconds(backend.pid), time.process_time())
-                    wall = time.perf_counter()
+                    wall, preempted = time.perf_counter(), preemptions(proc.pid)
                     merge(pooled[kind, name], await closed_loop(url, conns, seconds / rounds))
                     after = (cpu_seconds(proc.pid), cpu_seconds(backend.pid), time.process_time())
                     cells = used[kind, name]
                     for i in range(3):
                         cells[i] += after[i] - before[i]
                     cells[3] += time.perf_counter() - wall
+                    cells[4] += preemptions(proc.pid) - preempted
     finally:
         for proc, _ in routers.values():
             await proc.stop()
@@ -69,7 +76,7 @@ async def measure(seconds: float, rounds: int) -> dict[str, dict[str, dict[str, 
         found[kind] = {}
         for name, _ in LOADS:
             o = pooled[kind, name]
-            router, back, client, wall = used[kind, name]
+            router, back, client, wall, switched = used[kind, name]
             n = max(o.answered, 1)
             found[kind][name] = {
                 "rps": o.rate,
@@ -77,6 +84,7 @@ async def measure(seconds: float, rounds: int) -> dict[str, dict[str, dict[str, 
                 "p99_ms": o.latency.p99 * 1e3,
                 "cpu_ms_per_req": router / n * 1e3,
                 "left_cores": max(cores - (back + client) / wall, 0.0) if wall else 0.0,
+                "preempted_per_req": switched / n,
                 "errors": float(sum(o.errors.values())),
             }
     for name, _ in LOADS:
@@ -100,6 +108,7 @@ def table(found: dict[str, dict[str, dict[str, float]]]) -> Table:
                     m["p50_ms"],
                     m["p99_ms"],
                     m["cpu_ms_per_req"],
+                    m["preempted_per_req"],
                     m.get("efficiency"),
                     m.get("sharing_cost"),
                     int(m["errors"]),
@@ -113,6 +122,7 @@ def table(found: dict[str, dict[str, dict[str, float]]]) -> Table:
             "p50 ms",
             "p99 ms",
             "CPU ms/req",
+            "preempted/req",
             "scaling efficiency",
             "CPU/req vs 1 process",
             "errors",

@@ -51,6 +51,22 @@ def cpu_seconds(pid: int) -> float:
     return total / CLK
 
 
+def preemptions(pid: int) -> int:
+    """Times the tree's processes were switched out while runnable (nonvoluntary_ctxt_switches
+    of /proc/PID/status): on a machine with fewer free cores than busy processes, the cost
+    that comes with the cores, not with the router."""
+    total = 0
+    for p in tree(pid):
+        try:
+            found = re.search(
+                r"nonvoluntary_ctxt_switches:\s+(\d+)", Path(f"/proc/{p}/status").read_text()
+            )
+        except OSError:
+            continue
+        total += int(found[1]) if found else 0
+    return total
+
+
 def _status_mb(pid: int, field: str) -> float:
     """A memory field of /proc/PID/status (VmHWM, VmRSS), summed over the tree."""
     total = 0
