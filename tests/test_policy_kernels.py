@@ -3,6 +3,7 @@ numbers (floats bit for bit, in the formula's steps) and the same picks, ties in
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -231,3 +232,33 @@ def test_a_router_whose_policy_scans_nothing_never_imports_numba() -> None:
         "assert 'numba' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_block_hashes_name_a_prefix_and_nothing_else() -> None:
+    """Each 64-byte block's hash covers the blocks before it: prompts share leading hashes
+    exactly as far as they share whole leading blocks; the last block counts though short;
+    any text hashes (a lone surrogate from JSON too), whatever scratch it is given."""
+    rng = random.Random(5)
+    base = "".join(rng.choice("abcdef ") for _ in range(700))
+    for cut in (0, 1, 63, 64, 65, 300, len(base) - 1):
+        other = base[:cut] + "#" + base[cut + 1 :]
+        a, b = text_blocks(base), text_blocks(other, np.empty(1, np.int64))
+        assert len(a) == len(b) == -(-len(base) // 64)
+        same = cut // 64
+        assert a[:same] == b[:same]
+        assert all(x != y for x, y in zip(a[same:], b[same:], strict=True))
+    assert len(text_blocks("é" * 32)) == 1 and len(text_blocks("é" * 33)) == 2  # bytes, not chars
+    assert text_blocks("") == text_blocks("", np.empty(4, np.int64)) and len(text_blocks("")) == 1
+    assert len(text_blocks("\ud800 lone")) == 1
+    code = "from dprouter.policies.cache_aware import text_blocks; print(text_blocks('x' * 99))"
+    seeds = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    assert seeds[0] == seeds[1] == f"{text_blocks('x' * 99)}\n"

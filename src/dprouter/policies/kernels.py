@@ -203,6 +203,30 @@ def _prefix_pick(
     return first_least(cost, start)  # the compiled one: numba resolves it at compile time
 
 
+def _block_hashes(data: Any, out: Any) -> int:
+    """``cache_aware``'s chained block hashes of a prompt's UTF-8 ``data`` (bytes), in
+    blocks of 64 (the last zero-padded; an empty prompt is one block): ``out[b]`` the hash
+    of blocks 0..b; returns how many blocks. Each 64-bit word is mixed in by xor, a
+    multiply by the golden ratio and a shift (a chain of ~6 cycles a word: ~45 us for a
+    20k-token prompt, where Python's chained tuple hashes took 180)."""
+    n = len(data)
+    blocks = max((n + 63) // 64, 1)
+    h = np.uint64(0x243F6A8885A308D3)
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    shift = np.uint64(32)
+    for b in range(blocks):
+        for k in range(8):
+            at = b * 64 + k * 8
+            word = np.uint64(0)
+            for j in range(8):
+                if at + j < n:
+                    word |= np.uint64(data[at + j]) << np.uint64(8 * j)
+            h = (h ^ word) * golden
+            h ^= h >> shift
+        out[b] = np.int64(h)
+    return blocks
+
+
 def JIT(function: Callable[..., Any]) -> Any:
     """Compiled, and cached on disk where numba finds a writable place (beside this module,
     ``NUMBA_CACHE_DIR``, or the user's cache folder); with none (a read-only install and
@@ -226,6 +250,7 @@ DEFINITIONS: dict[str, Callable[..., Any]] = {
     "fewest_tokens": _fewest_tokens,
     "rendezvous": _rendezvous,
     "prefix_pick": _prefix_pick,
+    "block_hashes": _block_hashes,
 }
 
 
@@ -247,6 +272,7 @@ total: Callable[[Any, Any], int] = _later("total")
 fewest_tokens: Callable[[Any, Any, Any, int, Any], int] = _later("fewest_tokens")
 rendezvous: Callable[[Any, np.uint64, Any], int] = _later("rendezvous")
 prefix_pick: Callable[..., int] = _later("prefix_pick")
+block_hashes: Callable[[bytes, Any], int] = _later("block_hashes")
 
 
 @cache
