@@ -139,7 +139,16 @@ def test_no_request_compiles_a_kernel_again() -> None:
         for i in range(3):
             policy.select(pool, info)
             policy.select(pool, RequestInfo(key=f"new{i}", tokens=10))
-    for kernel in ("least_at", "total", "affinity", "fewest_tokens", "rendezvous", "prefix_pick"):
+    kernels.block_hashes(b"x", np.empty(1, np.int64))  # cache_aware's, through text_blocks
+    for kernel in (
+        "least_at",
+        "total",
+        "affinity",
+        "fewest_tokens",
+        "rendezvous",
+        "prefix_pick",
+        "block_hashes",
+    ):
         assert len(getattr(kernels, kernel).signatures) == 1, kernel
 
 
@@ -250,6 +259,7 @@ def test_block_hashes_name_a_prefix_and_nothing_else() -> None:
     assert len(text_blocks("é" * 32)) == 1 and len(text_blocks("é" * 33)) == 2  # bytes, not chars
     assert text_blocks("") == text_blocks("", np.empty(4, np.int64)) and len(text_blocks("")) == 1
     assert len(text_blocks("\ud800 lone")) == 1
+    assert text_blocks("short") != text_blocks("short\x00")  # the padding is no text
     code = "from dprouter.policies.cache_aware import text_blocks; print(text_blocks('x' * 99))"
     seeds = [
         subprocess.run(

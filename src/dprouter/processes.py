@@ -126,8 +126,9 @@ class Supervisor:
         from dprouter.serving import main
 
         child = SPAWN.Process(target=main, args=(seat,), name=f"dprouter-{row}", daemon=False)
-        # one string hash seed for all serving processes, secret from clients: cache_aware's
-        # prefix blocks are string hashes, and processes tell each other about them
+        # one string hash seed for all serving processes, chosen per run: str hashes and set
+        # orders alike in each (what they tell each other no longer depends on it: cache_aware's
+        # prefix blocks are its own kernel's hashes)
         before = os.environ.get("PYTHONHASHSEED")
         os.environ["PYTHONHASHSEED"] = self._hash_seed
         try:

@@ -8,8 +8,8 @@ being the CPU the backend and the load generator leave over, spent at the
 ``--processes 1`` router's CPU per request. The cost of sharing = CPU per
 request with 2 processes over CPU per request with 1. Preempted per request: times the
 router's processes were switched out while runnable. On two cores, two serving processes
-beside the backend and the load generator are preempted about 0.6 times a request (one
-process: 0.05), and each switch costs a cold cache: what the 64-connection ratio above
+beside the backend and the load generator are preempted 0.4-0.65 times a request (one
+process: 0.05-0.1), and each switch costs a cold cache: what the 64-connection ratio above
 1 then mostly is (pinning each process to a core, SCHED_BATCH, or no multiprocess
 metrics measured no change).
 """
