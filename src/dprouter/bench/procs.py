@@ -55,28 +55,24 @@ def preemptions(pid: int) -> int:
     """Times the tree's processes were switched out while runnable (nonvoluntary_ctxt_switches
     of /proc/PID/status): on a machine with fewer free cores than busy processes, the cost
     that comes with the cores, not with the router."""
-    total = 0
-    for p in tree(pid):
-        try:
-            found = re.search(
-                r"nonvoluntary_ctxt_switches:\s+(\d+)", Path(f"/proc/{p}/status").read_text()
-            )
-        except OSError:
-            continue
-        total += int(found[1]) if found else 0
-    return total
+    return _status_sum(pid, r"nonvoluntary_ctxt_switches:\s+(\d+)")
 
 
 def _status_mb(pid: int, field: str) -> float:
     """A memory field of /proc/PID/status (VmHWM, VmRSS), summed over the tree."""
+    return _status_sum(pid, rf"{field}:\s+(\d+) kB") / 1024
+
+
+def _status_sum(pid: int, pattern: str) -> int:
+    """A number of /proc/PID/status (``pattern``'s group), summed over the tree."""
     total = 0
     for p in tree(pid):
         try:
-            found = re.search(rf"{field}:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
+            found = re.search(pattern, Path(f"/proc/{p}/status").read_text())
         except OSError:
             continue
         total += int(found[1]) if found else 0
-    return total / 1024
+    return total
 
 
 def peak_rss_mb(pid: int) -> float:
