@@ -32,7 +32,7 @@ from e2e.engine_process import (
 
 PORT_RANGE = (20000, 30000)  # inclusive lower, exclusive upper
 INTERNAL_PORT_BLOCK = 32  # ports vLLM may take from VLLM_PORT upward
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048  # the model's positions: room for a long decode, a wide window to watch
 KV_CACHE_BYTES = 256 * 1024 * 1024
 E2E_DIR = Path(__file__).resolve().parent
 LAUNCHER = E2E_DIR / "vllm_launcher.py"
