@@ -29,7 +29,6 @@ from dprouter.targets import Target
 
 I64 = npt.NDArray[np.int64]
 
-BLOCK = 64  # bytes of the prompt's UTF-8 per block
 CAPACITY = 16_384  # blocks remembered per target (~1 MB of prompt text)
 
 
@@ -39,7 +38,7 @@ def text_blocks(text: str, scratch: I64 | None = None) -> list[int]:
     20k-token system prompt costs ~50 us where hashing it block by block in Python cost
     180. ``scratch``: where the kernel writes (a new array if it is too short)."""
     raw = text.encode("utf-8", "surrogatepass")  # JSON may carry a lone surrogate
-    need = len(raw) // BLOCK + 1
+    need = len(raw) // kernels.BLOCK + 1
     if scratch is None or len(scratch) < need:
         scratch = np.empty(need, np.int64)
     n = kernels.block_hashes(raw, scratch)

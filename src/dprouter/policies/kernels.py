@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+BLOCK = 64  # bytes per block of ``block_hashes`` (a constant to numba: frozen when compiled)
+
 
 def _least_at(row: Any, slots: Any, start: int) -> int:
     """The first least of a board row read through the pool's slots, from ``start``."""
@@ -205,26 +207,26 @@ def _prefix_pick(
 
 def _block_hashes(data: Any, out: Any) -> int:
     """``cache_aware``'s chained block hashes of a prompt's UTF-8 ``data`` (bytes), in
-    blocks of 64 (the last zero-padded, its length mixed in; an empty prompt is one
-    block): ``out[b]`` the hash of blocks 0..b; returns how many blocks. Each 64-bit word
-    is mixed in by xor, a multiply by the golden ratio and a shift (~50 us for a 20k-token
-    prompt, where Python's chained tuple hashes took 180)."""
+    blocks of ``BLOCK`` bytes (the last zero-padded, its length mixed in; an empty prompt
+    is one block): ``out[b]`` the hash of blocks 0..b; returns how many blocks. Each 64-bit
+    word is mixed in by xor, a multiply by the golden ratio and a shift: that chain, not
+    reading the bytes, sets the cost (whole-word reads measured 10-20 % faster at most)."""
     n = len(data)
-    blocks = max((n + 63) // 64, 1)
+    blocks = max((n + BLOCK - 1) // BLOCK, 1)
     h = np.uint64(0x243F6A8885A308D3)
     golden = np.uint64(0x9E3779B97F4A7C15)
     shift = np.uint64(32)
     for b in range(blocks):
-        for k in range(8):
-            at = b * 64 + k * 8
+        for k in range(BLOCK // 8):
+            at = b * BLOCK + k * 8
             word = np.uint64(0)
             for j in range(8):
                 if at + j < n:
                     word |= np.uint64(data[at + j]) << np.uint64(8 * j)
             h = (h ^ word) * golden
             h ^= h >> shift
-        if b * 64 + 64 > n:  # a short last block: its length too, or zero bytes would pad it
-            h = (h ^ np.uint64(n - b * 64)) * golden
+        if b * BLOCK + BLOCK > n:  # a short last block: its length too, or zero bytes pad it
+            h = (h ^ np.uint64(n - b * BLOCK)) * golden
         out[b] = np.int64(h)
     return blocks
 
