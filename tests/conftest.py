@@ -17,9 +17,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from dprouter.app import Router
-from dprouter.config import RouterConfig, WorkerSpec
-from dprouter.net import bind, url_of
+from dprouter.config import RouterConfig
+from dprouter.core.net import bind, url_of
+from dprouter.fleet.worker_spec import WorkerSpec
+from dprouter.server.app import Router
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig
 

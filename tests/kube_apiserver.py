@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from dprouter.labels import matches, parse_selector
-from dprouter.net import bind, url_of
+from dprouter.core.net import bind, url_of
+from dprouter.fleet.membership.labels import matches, parse_selector
 
 
 def pod(

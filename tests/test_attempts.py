@@ -14,12 +14,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dprouter.app import Router
-from dprouter.config import PdMode, RouterConfig, WorkerSpec
-from dprouter.net import bind, url_of
+from dprouter.config import RouterConfig
+from dprouter.core.net import bind, url_of
+from dprouter.core.types import PdMode, Role
+from dprouter.fleet.targets import Worker
+from dprouter.fleet.worker_spec import WorkerSpec
+from dprouter.server.app import Router
 from dprouter.sim.config import EngineConfig, PdConfig
 from dprouter.sim.server import SimServer
-from dprouter.targets import Role, Worker
 from tests.conftest import StartCluster, StartRouter, until
 
 PROMPT = {"prompt": "try me", "max_tokens": 2}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dprouter.board import Board
+from dprouter.fleet.board import Board
 
 
 def test_alone_a_router_sees_its_own_count_exactly_between_reports() -> None:

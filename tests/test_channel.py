@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from dprouter.follower import Channel
+from dprouter.multiproc.follower import Channel
 from tests.conftest import until
 
 

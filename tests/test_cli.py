@@ -12,7 +12,7 @@ import aiohttp
 import click
 import pytest
 
-from dprouter.demo import run_demo
+from dprouter.cli.demo import run_demo
 from dprouter.sim.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster
 
@@ -85,7 +85,7 @@ def test_bad_options_fail_with_a_message(args: list[str], message: str) -> None:
 
 
 def test_every_serve_option_says_what_it_does() -> None:
-    from dprouter.serve import serve
+    from dprouter.cli.serve import serve
 
     silent = [o.name for o in serve.params if isinstance(o, click.Option) and not o.help]
     assert silent == []

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dprouter.config import ConfigError, RouterConfig, WorkerSpec, load_file, parse_worker, validate
+from dprouter.config import RouterConfig, load_file, validate
+from dprouter.core.errors import ConfigError
+from dprouter.fleet.worker_spec import WorkerSpec, parse_worker
 
 
 def test_sessions_with_no_policy_mean_manual_with_min_load() -> None:

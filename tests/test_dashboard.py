@@ -14,12 +14,12 @@ import aiohttp
 import click
 import pytest
 
+from dprouter.cli.demo import demo_cluster
+from dprouter.cli.serve import serve
 from dprouter.config import RouterConfig, load_file, validate
-from dprouter.dashboard import POLICY
-from dprouter.dashboard.window import quantile
-from dprouter.demo import demo_cluster
-from dprouter.processes import Supervisor
-from dprouter.serve import serve
+from dprouter.multiproc.supervisor import Supervisor
+from dprouter.server.dashboard import POLICY
+from dprouter.server.dashboard.window import quantile
 from tests.conftest import StartCluster, StartRouter, workers
 from tests.test_router_pd import deploy, served
 

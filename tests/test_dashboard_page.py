@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dprouter.app import Router
+from dprouter.cli.demo import demo_cluster
 from dprouter.config import RouterConfig
-from dprouter.demo import demo_cluster
+from dprouter.server.app import Router
 from tests.cdp import CHROMIUM, Page, chromium
 from tests.conftest import StartCluster, StartRouter, background, until, workers
 

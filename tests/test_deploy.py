@@ -11,10 +11,10 @@ import click
 import pytest
 import yaml
 
+from dprouter.cli.serve import make_config, serve
 from dprouter.config import RouterConfig
-from dprouter.labels import matches, parse_selector
-from dprouter.membership.pods import PORTS_ANNOTATION
-from dprouter.serve import make_config, serve
+from dprouter.fleet.membership.labels import matches, parse_selector
+from dprouter.fleet.membership.pods import PORTS_ANNOTATION
 
 DEPLOY = Path(__file__).parent.parent / "deploy" / "kubernetes"
 

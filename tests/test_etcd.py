@@ -19,11 +19,12 @@ import aiohttp
 import orjson
 import pytest
 
-from dprouter.app import Router
 from dprouter.bench.etcd_server import EtcdServer
-from dprouter.config import ConfigError, RouterConfig, parse_discovery
-from dprouter.etcd import Etcd
-from dprouter.processes import Supervisor
+from dprouter.config import RouterConfig, parse_discovery
+from dprouter.core.errors import ConfigError
+from dprouter.fleet.membership.etcd_client import Etcd
+from dprouter.multiproc.supervisor import Supervisor
+from dprouter.server.app import Router
 from dprouter.sim.config import EngineConfig, Faults
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 from tests.test_cli import _serve, listening

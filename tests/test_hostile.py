@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dprouter.app import Router
 from dprouter.config import RouterConfig
+from dprouter.server.app import Router
 from dprouter.sim.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, serving, workers
 

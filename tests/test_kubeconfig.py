@@ -20,9 +20,15 @@ import aiohttp
 import pytest
 import yaml
 
-from dprouter.config import ConfigError
-from dprouter.kube import Kube, KubeError
-from dprouter.kubeconfig import Access, access, from_kubeconfig, in_cluster, kubeconfig_path
+from dprouter.core.errors import ConfigError, KubeError
+from dprouter.fleet.membership.kube_client import Kube
+from dprouter.fleet.membership.kubeconfig import (
+    Access,
+    access,
+    from_kubeconfig,
+    in_cluster,
+    kubeconfig_path,
+)
 from tests.kube_apiserver import KubeApiServer, pod
 
 

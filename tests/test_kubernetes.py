@@ -22,11 +22,11 @@ import yaml
 from click.testing import CliRunner
 from yarl import URL
 
-from dprouter.app import Router
-from dprouter.config import ConfigError, RouterConfig, validate
-from dprouter.membership.pods import PodError, PodRules
-from dprouter.processes import Supervisor
-from dprouter.serve import serve
+from dprouter.cli.serve import serve
+from dprouter.config import RouterConfig, validate
+from dprouter.core.errors import ConfigError, PodError
+from dprouter.multiproc.supervisor import Supervisor
+from dprouter.server.app import Router
 from dprouter.sim.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 from tests.kube_apiserver import KubeApiServer, pod
@@ -362,7 +362,7 @@ def test_serve_refuses_a_kubeconfig_it_cannot_read(tmp_path: Path) -> None:
 
 
 def test_which_workers_a_pod_is() -> None:
-    rules = PodRules.of(RouterConfig(pod_port=8000))
+    rules = RouterConfig(pod_port=8000).pod_rules()
     assert [(s.id, s.url) for s in rules.workers(pod("a", ip="10.1.2.3"))] == [
         ("a", "http://10.1.2.3:8000")
     ]
@@ -393,18 +393,18 @@ def test_which_workers_a_pod_is() -> None:
         with pytest.raises(PodError):
             rules.workers(pod("b", annotations=notes))
     with pytest.raises(PodError, match="--pod-port"):
-        PodRules.of(RouterConfig()).workers(pod("p"))
+        RouterConfig().pod_rules().workers(pod("p"))
 
 
 def test_pd_selectors_give_roles_and_a_pod_matching_neither_is_no_worker() -> None:
     config = RouterConfig(pod_port=1, prefill_selector="r=p", decode_selector="r=d,gpu!=none")
-    rules = PodRules.of(config)
+    rules = config.pod_rules()
     boot = {"sglang.ai/bootstrap-port": "8998"}
     (p,) = rules.workers(pod("p", labels={"r": "p"}, annotations=boot))
     (d,) = rules.workers(pod("d", labels={"r": "d"}))
     assert (p.role, p.bootstrap_port, d.role) == ("prefill", 8998, "decode")
     assert rules.workers(pod("x", labels={"r": "d", "gpu": "none"})) == []
-    both = PodRules.of(RouterConfig(pod_port=1, prefill_selector="a=1", decode_selector="b=1"))
+    both = RouterConfig(pod_port=1, prefill_selector="a=1", decode_selector="b=1").pod_rules()
     with pytest.raises(PodError, match="both"):
         both.workers(pod("y", labels={"a": "1", "b": "1"}))
 

@@ -6,10 +6,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from dprouter.kvevents import wire
-from dprouter.kvevents.index import KvIndex
-from dprouter.kvevents.keys import chain, prompt_keys, root
-from dprouter.kvevents.wire import Cleared, Removed, Stored
+from dprouter.engines.kvevents import wire
+from dprouter.engines.kvevents.index import KvIndex
+from dprouter.engines.kvevents.keys import chain, prompt_keys, root
+from dprouter.engines.kvevents.wire import Cleared, Removed, Stored
 
 TOKENS = list(range(1000, 1048))
 

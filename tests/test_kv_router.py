@@ -14,10 +14,12 @@ import aiohttp
 import pytest
 import zmq
 
-from dprouter.config import ConfigError, RouterConfig, WorkerSpec
+from dprouter.config import RouterConfig
+from dprouter.core.errors import ConfigError
+from dprouter.core.tokenizer import ModelTokenizer
+from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.vocab import write_tokenizer
-from dprouter.tokenizer import ModelTokenizer
 from tests.conftest import StartCluster, StartRouter
 from tests.kv_publisher import Publisher, stored
 
@@ -117,7 +119,8 @@ def test_prefix_needs_a_tokenizer_and_the_file_must_be_there(tmp_path: Path) -> 
 
 
 def test_kv_block_size_is_a_worker_key() -> None:
-    from dprouter.config import parse_worker, validate
+    from dprouter.config import validate
+    from dprouter.fleet.worker_spec import parse_worker
 
     spec = parse_worker("http://h:1,kv_events=tcp://h:5557,kv_block_size=32")
     assert spec.kv_block_size == 32

@@ -19,16 +19,17 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dprouter.app import Router
-from dprouter.config import RouterConfig, WorkerSpec
-from dprouter.kvevents.feed import Feed
-from dprouter.kvevents.keys import prompt_keys
+from dprouter.config import RouterConfig
+from dprouter.core.tokenizer import ModelTokenizer
+from dprouter.engines.kvevents.feed import Feed
+from dprouter.engines.kvevents.keys import prompt_keys
+from dprouter.fleet.worker_spec import WorkerSpec
+from dprouter.server.app import Router
 from dprouter.sim.config import EngineConfig, RankLimits
 from dprouter.sim.kvevents import Encoding, KvEventsConfig
 from dprouter.sim.prefix import block_hashes
 from dprouter.sim.server import SimServer
 from dprouter.sim.vocab import write_tokenizer
-from dprouter.tokenizer import ModelTokenizer
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 
 BLOCK = 16

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import zmq.asyncio
 
-from dprouter.kvevents.index import KvIndex
-from dprouter.kvevents.keys import prompt_keys
-from dprouter.kvevents.subscriber import RankStream
+from dprouter.engines.kvevents.index import KvIndex
+from dprouter.engines.kvevents.keys import prompt_keys
+from dprouter.engines.kvevents.subscriber import RankStream
 from tests.kv_publisher import Publisher, removed, stored
 
 NAME = ("w0", 0)

@@ -9,7 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from dprouter.config import RouterConfig
-from dprouter.lag import LoopLag
+from dprouter.server.loop_lag import LoopLag
 from tests.conftest import StartRouter, completions_engine, metric_sum, serving, workers
 
 LAG = "dprouter_event_loop_lag_seconds"

@@ -52,7 +52,7 @@ def test_simulator_names() -> None:
     [
         "import dprouter; print(dprouter.Router)",
         "import dprouter.config",
-        "import dprouter.serve",
+        "import dprouter.cli.serve",
         # the command line as `dprouter serve --help` runs it
         "import sys\nfrom dprouter.cli import main\nsys.argv = ['dprouter', 'serve', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass",

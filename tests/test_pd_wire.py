@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from dprouter.pd import wire
-from dprouter.pd.pairing import Pairing
+from dprouter.core.types import Role
+from dprouter.engines import pd_wire
+from dprouter.fleet.targets import Target, Worker
 from dprouter.policies import RequestInfo, make_policy
+from dprouter.proxy.pd.pairing import Pairing
 from dprouter.sim.pd import MORIIO_ID
-from dprouter.targets import Role, Target, Worker
 
 CLIENT = {
     "model": "m",
@@ -33,7 +34,7 @@ def target(role: Role, n: int, dp: int, rank: int | None, **kw: Any) -> Target:
 
 
 def test_nixl_prefill_asks_for_remote_decode_and_one_token() -> None:
-    body = wire.nixl_prefill({**CLIENT, "max_completion_tokens": 8})
+    body = pd_wire.nixl_prefill({**CLIENT, "max_completion_tokens": 8})
     assert (body["max_tokens"], body["max_completion_tokens"], body["stream"]) == (1, 1, False)
     assert "stream_options" not in body and "min_tokens" not in body
     assert body["kv_transfer_params"] == {
@@ -46,23 +47,23 @@ def test_nixl_prefill_asks_for_remote_decode_and_one_token() -> None:
     }
     assert CLIENT["max_tokens"] == 8  # the client's body is left alone
     kv = {"remote_engine_id": "e-dp3", "remote_block_ids": [1, 2], "anything": {"x": 1}}
-    assert wire.nixl_decode(CLIENT, kv) == {**CLIENT, "kv_transfer_params": kv}
+    assert pd_wire.nixl_decode(CLIENT, kv) == {**CLIENT, "kv_transfer_params": kv}
 
 
 def test_moriio_fields_and_request_id() -> None:
     p = target("prefill", 0, 8, 5, zmq_address="host:10.0.0.1,handshake:7000,notify:7001")
     d = target("decode", 1, 1, None, zmq_address="host:10.0.0.2,handshake:7100,notify:7101")
-    rid = wire.moriio_request_id(p, d)
+    rid = pd_wire.moriio_request_id(p, d)
     found = MORIIO_ID.match(rid)
     assert found is not None
     assert (found["p"], found["d"]) == (p.worker.zmq_address, d.worker.zmq_address)
-    pre = wire.moriio_prefill(CLIENT, "tx-1", d)
+    pre = pd_wire.moriio_prefill(CLIENT, "tx-1", d)
     assert pre["kv_transfer_params"]["transfer_id"] == "tx-1"
     assert (
         pre["kv_transfer_params"]["remote_dp_size"],
         pre["kv_transfer_params"]["remote_tp_size"],
     ) == (1, 8)
-    read = wire.moriio_decode(
+    read = pd_wire.moriio_decode(
         CLIENT,
         "tx-1",
         p,
@@ -71,11 +72,11 @@ def test_moriio_fields_and_request_id() -> None:
     kv = read["kv_transfer_params"]
     assert (kv["do_remote_prefill"], kv["remote_dp_rank"], kv["remote_dp_size"]) == (True, 5, 8)
     assert (kv["remote_block_ids"], kv["remote_hosts"], read["max_tokens"]) == ([7], ["a", "b"], 7)
-    write = wire.moriio_decode(CLIENT, "tx-1", p, None)
+    write = pd_wire.moriio_decode(CLIENT, "tx-1", p, None)
     assert "remote_block_ids" not in write["kv_transfer_params"]
     omitted = {k: v for k, v in CLIENT.items() if k != "max_tokens"}
-    assert "max_tokens" not in wire.moriio_decode(omitted, "tx", p, None)  # left to the engine
-    assert wire.moriio_decode({**CLIENT, "max_tokens": 1}, "tx", p, None)["max_tokens"] == 1
+    assert "max_tokens" not in pd_wire.moriio_decode(omitted, "tx", p, None)  # left to the engine
+    assert pd_wire.moriio_decode({**CLIENT, "max_tokens": 1}, "tx", p, None)["max_tokens"] == 1
 
 
 @pytest.mark.parametrize(("dp", "rank"), [(8, 0), (8, 5), (3, 2), (1, None)])
@@ -84,11 +85,11 @@ def test_sglang_room_agrees_with_follow_bootstrap_room(dp: int, rank: int | None
     d = target("decode", 1, 4, 3)
     rng = random.Random(1)
     for _ in range(200):
-        room = wire.sglang_room(p, rng)
+        room = pd_wire.sglang_room(p, rng)
         assert 0 <= room < 1 << 63
         if rank is not None:
             assert room % dp == rank
-    pre, dec = wire.sglang_bodies(CLIENT, p, d, room)
+    pre, dec = pd_wire.sglang_bodies(CLIENT, p, d, room)
     assert (pre["bootstrap_host"], pre["bootstrap_port"], pre["bootstrap_room"]) == (
         "10.0.0.1",
         8998,
@@ -116,8 +117,8 @@ def test_pairs_cover_every_combination_and_each_side_evenly(p_slots: int, d_slot
 def test_sglang_batches_get_a_room_per_item() -> None:
     p = target("prefill", 0, 4, 3, bootstrap_port=8998)
     rng = random.Random(2)
-    assert isinstance(wire.sglang_rooms({"text": "one"}, p, rng), int)
-    rooms = wire.sglang_rooms({"text": ["a", "b", "c"]}, p, rng)
+    assert isinstance(pd_wire.sglang_rooms({"text": "one"}, p, rng), int)
+    rooms = pd_wire.sglang_rooms({"text": ["a", "b", "c"]}, p, rng)
     assert isinstance(rooms, list) and len(rooms) == 3 and len(set(rooms)) == 3
     assert all(room % 4 == 3 for room in rooms)
-    assert len(wire.sglang_rooms({"input_ids": [[1, 2], [3]]}, p, rng)) == 2  # type: ignore[arg-type]
+    assert len(pd_wire.sglang_rooms({"input_ids": [[1, 2], [3]]}, p, rng)) == 2  # type: ignore[arg-type]

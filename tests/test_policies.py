@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Outstanding, Target, Worker
 from dprouter.policies import POLICIES, PolicyOptions, RequestInfo, make_policy
 from dprouter.policies.base import rotated
 from dprouter.policies.consistent_hash import hash64, mix
-from dprouter.registry import Registry
-from dprouter.targets import Outstanding, Target, Worker
 
 
 def fleet(*dp_sizes: int) -> tuple[Registry, tuple[Target, ...]]:

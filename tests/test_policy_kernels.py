@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Target, Worker
 from dprouter.policies import PolicyOptions, Prefix, QueuedBy, RequestInfo, kernels, make_policy
 from dprouter.policies.base import first_least
 from dprouter.policies.cache_aware import CAPACITY, CacheAware, text_blocks
-from dprouter.registry import Registry
-from dprouter.targets import Target, Worker
 
 
 def fleet(*dp_sizes: int) -> tuple[Target, ...]:
@@ -229,10 +229,10 @@ def test_a_router_whose_policy_scans_nothing_never_imports_numba() -> None:
     random and power_of_two never load them, serving or not."""
     code = (
         "import sys\n"
-        "import dprouter.cli, dprouter.app, dprouter.processes\n"
+        "import dprouter.cli, dprouter.server.app, dprouter.multiproc.supervisor\n"
         "from dprouter.policies import make_policy, RequestInfo\n"
-        "from dprouter.registry import Registry\n"
-        "from dprouter.targets import Worker\n"
+        "from dprouter.fleet.registry import Registry\n"
+        "from dprouter.fleet.targets import Worker\n"
         "registry = Registry()\n"
         "w = registry.add(Worker(id='w', url='http://127.0.0.1:1', dialect='vllm'))\n"
         "w.ranks = 4\n"

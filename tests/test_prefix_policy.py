@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dprouter.kvevents.index import KvIndex
-from dprouter.kvevents.keys import prompt_keys
-from dprouter.kvevents.lookup import Matcher
-from dprouter.kvevents.wire import Stored
+from dprouter.engines.kvevents.index import KvIndex
+from dprouter.engines.kvevents.keys import prompt_keys
+from dprouter.engines.kvevents.lookup import Matcher
+from dprouter.engines.kvevents.wire import Stored
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Target, Worker
 from dprouter.policies import (
     PolicyOptions,
     Prefix,
@@ -17,8 +19,6 @@ from dprouter.policies import (
     make_policy,
     needs_tokens,
 )
-from dprouter.registry import Registry
-from dprouter.targets import Target, Worker
 
 
 def fleet(dp: int) -> tuple[Target, ...]:

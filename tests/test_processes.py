@@ -19,10 +19,12 @@ from typing import Any, Literal
 import aiohttp
 import pytest
 
-from dprouter.config import RouterConfig, WorkerSpec
-from dprouter.estimate import OutputEstimate
-from dprouter.processes import Supervisor
-from dprouter.sim.config import EngineConfig, Faults, PdConfig, PdMode
+from dprouter.config import RouterConfig
+from dprouter.core.types import PdMode
+from dprouter.fleet.worker_spec import WorkerSpec
+from dprouter.multiproc.supervisor import Supervisor
+from dprouter.proxy.output_budget import OutputEstimate
+from dprouter.sim.config import EngineConfig, Faults, PdConfig
 from tests.conftest import StartCluster, metric_sum, until, workers
 
 StartProcesses = Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]]

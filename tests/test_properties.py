@@ -8,9 +8,11 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dprouter import dialects
-from dprouter.parse import AFFINITY_CHARS, BadRequest, Kind, parse
+from dprouter.core.errors import BadRequest
+from dprouter.core.types import Kind
+from dprouter.engines import dialects
 from dprouter.policies import POLICIES, RequestInfo, make_policy
+from dprouter.proxy.parse import AFFINITY_CHARS, parse
 from tests.test_policies import fleet
 
 KINDS: tuple[Kind, ...] = ("completion", "chat", "generate")

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dprouter.admission import Admission, AdmissionOptions
 from dprouter.config import RouterConfig
+from dprouter.server.admission import Admission, AdmissionOptions
 from tests.conftest import StartRouter, completions_engine, serving, until, workers
 
 

@@ -14,9 +14,11 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from dprouter.app import Router
-from dprouter.config import RouterConfig, WorkerSpec
-from dprouter.sim.config import EngineConfig, Faults, PdConfig, PdMode
+from dprouter.config import RouterConfig
+from dprouter.core.types import PdMode
+from dprouter.fleet.worker_spec import WorkerSpec
+from dprouter.server.app import Router
+from dprouter.sim.config import EngineConfig, Faults, PdConfig
 from dprouter.sim.server import SimServer
 from tests.conftest import (
     CutsStreams,

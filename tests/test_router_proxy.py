@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from dprouter.config import RouterConfig
-from dprouter.net import bind, url_of
+from dprouter.core.net import bind, url_of
 from dprouter.sim.config import EngineConfig, Faults
 from tests.conftest import (
     StartCluster,

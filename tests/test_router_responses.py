@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from dprouter.config import RouterConfig
-from dprouter.kept import Kept
+from dprouter.proxy.response_ids import Kept
 from dprouter.sim.config import EngineConfig, Persona
 from tests.conftest import StartCluster, StartRouter, workers
 

@@ -9,12 +9,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dprouter import discovery, load
-from dprouter.config import ConfigError, RouterConfig, validate
-from dprouter.net import url_of
+from dprouter.config import RouterConfig, validate
+from dprouter.core.errors import ConfigError
+from dprouter.core.net import url_of
+from dprouter.fleet import engine_load, probe
+from dprouter.fleet.targets import Worker
 from dprouter.sim.config import EngineConfig, PdConfig
 from dprouter.sim.server import SimServer
-from dprouter.targets import Worker
 from tests.conftest import (
     StartCluster,
     StartRouter,
@@ -64,7 +65,7 @@ async def test_vllm_ranks_come_from_metrics_and_a_contradiction_is_refused(
 def test_sglang_ranks_from_either_server_info_shape(
     info: dict[str, object], ranks: int, lock_step: bool
 ) -> None:
-    assert discovery.sglang_ranks("http://e", info) == (ranks, lock_step)
+    assert probe.sglang_ranks("http://e", info) == (ranks, lock_step)
 
 
 @pytest.mark.parametrize(
@@ -134,10 +135,10 @@ async def test_hybrid_lb_endpoint_takes_local_ranks(
     hybrid_metrics: str, http: aiohttp.ClientSession
 ) -> None:
     worker = Worker(id="node1", url=hybrid_metrics)
-    found = await discovery.probe(http, worker)
+    found = await probe.probe(http, worker)
     assert (found.dialect, found.ranks, found.rank_offset) == ("vllm", 4, 8)
-    discovery.apply(worker, found)
-    per_rank = await load.scrape(http, worker)
+    probe.apply(worker, found)
+    per_rank = await engine_load.scrape(http, worker)
     # engine 9 is local rank 1: 1 running + 1 waiting (no KV series here: 0 tokens)
     assert per_rank == {0: (1, 0), 1: (2, 0), 2: (3, 0), 3: (4, 0)}
 

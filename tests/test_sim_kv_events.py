@@ -15,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from dprouter.core.tokenizer import ModelTokenizer
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.command import build, sim
 from dprouter.sim.config import EngineConfig, RankLimits
@@ -22,7 +23,6 @@ from dprouter.sim.kvevents import KvEventsConfig
 from dprouter.sim.server import SimServer
 from dprouter.sim.tokens import tokenize
 from dprouter.sim.vocab import write_tokenizer
-from dprouter.tokenizer import ModelTokenizer
 from tests.conftest import StartCluster
 
 U64 = (1 << 64) - 1

@@ -12,7 +12,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dprouter.sim.config import EngineConfig, PdConfig, PdMode
+from dprouter.core.types import PdMode
+from dprouter.sim.config import EngineConfig, PdConfig
 from dprouter.sim.server import SimServer
 from tests.conftest import StartCluster
 

@@ -9,11 +9,12 @@ import zlib
 import aiohttp
 import pytest
 
-from dprouter.board import MODELS, Board
-from dprouter.config import ConfigError, RouterConfig, validate
-from dprouter.estimate import OutputEstimate, completion_tokens
-from dprouter.load import sglang_load, vllm_loads
-from dprouter.parse import DEFAULT_OUTPUT
+from dprouter.config import RouterConfig, validate
+from dprouter.core.errors import ConfigError
+from dprouter.fleet.board import MODELS, Board
+from dprouter.fleet.engine_load import sglang_load, vllm_loads
+from dprouter.proxy.output_budget import OutputEstimate, completion_tokens
+from dprouter.proxy.parse import DEFAULT_OUTPUT
 from dprouter.sim.config import EngineConfig, Persona
 from tests.conftest import StartCluster, StartRouter, until, workers
 

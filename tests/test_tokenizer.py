@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from dprouter.core.errors import TokenizerError
+from dprouter.core.tokenizer import ModelTokenizer
 from dprouter.sim.tokens import WORDS
 from dprouter.sim.vocab import write_tokenizer
-from dprouter.tokenizer import ModelTokenizer, TokenizerError
 
 
 @pytest.fixture(scope="module")

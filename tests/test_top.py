@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
+from dprouter.cli.demo import demo_cluster
+from dprouter.cli.top import TopError, top, top_command
 from dprouter.config import RouterConfig
-from dprouter.demo import demo_cluster
-from dprouter.top import TopError, top, top_command
 from tests.conftest import StartCluster, StartRouter, background, until, workers
 
 LONG: dict[str, Any] = {"model": "demo", "prompt": "hold on", "max_tokens": 3000, "stream": True}

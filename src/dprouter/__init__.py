@@ -5,7 +5,8 @@ The package's face is the router's API. The simulated engines live in
 by ``import dprouter``.
 """
 
-from dprouter.app import Router, build_app
-from dprouter.config import RouterConfig, WorkerSpec
+from dprouter.config import RouterConfig
+from dprouter.fleet.worker_spec import WorkerSpec
+from dprouter.server.app import Router, build_app
 
 __all__ = ["Router", "RouterConfig", "WorkerSpec", "build_app"]

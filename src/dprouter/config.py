@@ -13,42 +13,25 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
-from dprouter.labels import parse_selector
+from dprouter.core.errors import ConfigError
+from dprouter.core.types import PD_MODES, DpAware, PdMode, Role
+from dprouter.fleet.membership import Source
+from dprouter.fleet.membership.labels import Selector, parse_selector
+from dprouter.fleet.membership.pods import PodRules
+from dprouter.fleet.monitor import Monitor
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.worker_spec import (
+    WorkerSpec,
+    check_types,
+    check_worker,
+    worker_from_mapping,
+)
 from dprouter.policies import POLICIES, PolicyOptions
-from dprouter.targets import ROLES, DialectName, Role, normalise_url
-
-DpAware = Literal["auto", "off"]
-PdMode = Literal["vllm-nixl", "vllm-moriio", "sglang"]
-PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-moriio", "sglang")
-
-
-class ConfigError(ValueError):
-    """The configuration cannot work; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    url: str
-    id: str | None = None
-    role: Role = "regular"
-    dialect: DialectName | None = None
-    dp_size: int | None = None
-    rank_offset: int | None = None
-    model: str | None = None
-    bootstrap_port: int | None = None  # SGLang prefill; None: as /server_info reports it
-    tp_size: int | None = None  # P/D peers are told it (MoRIIO); None: as discovered, else 1
-    # KV-cache events: tcp://HOST:PORT, rank r publishing on PORT + r (the engines' layout),
-    # or auto (vLLM's GET /kv_event_sources says); a replay socket likewise (docs/kv-events.md)
-    kv_events: str | None = None
-    kv_replay: str | None = None
-    # the engine's KV block size in tokens (vLLM --block-size, SGLang --page-size): known
-    # before the first event, so the blocks a router sends count as pending from the start
-    kv_block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -159,29 +142,24 @@ class RouterConfig:
             found[model if sep else None] = Path(directory)
         return found
 
+    def check_new_worker(self, spec: WorkerSpec) -> WorkerSpec:
+        """A worker joining the running router (the admin API, etcd), checked against its
+        configuration as a listed one is: a ``--pd`` router takes prefill and decode
+        workers, not regular ones. ``ConfigError`` says why not."""
+        return validate(replace(self, workers=(spec,))).workers[0]
 
-SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,),
-    "float": (int, float),
-    "bool": (bool,),
-    "str": (str,),
-}
+    def pod_rules(self) -> PodRules:
+        """Which workers a pod is (``--discovery k8s``)."""
 
+        def selector(text: str | None) -> Selector | None:
+            return parse_selector(text) if text else None
 
-def check_types(obj: object, where: str) -> None:
-    """Every plain field holds its declared type: a file or an API call can say anything."""
-    for f in fields(obj):  # type: ignore[arg-type]
-        value = getattr(obj, f.name)
-        names = [part.strip() for part in str(f.type).split("|")]
-        if value is None and "None" in names:
-            continue
-        kinds = [n for n in names if n != "None"]
-        if not all(k in SIMPLE_TYPES for k in kinds):
-            continue  # not a plain field: checked by name in validate()
-        wanted = tuple(t for k in kinds for t in SIMPLE_TYPES[k])
-        bool_slipped = isinstance(value, bool) and bool not in wanted  # True is an int too
-        if bool_slipped or not isinstance(value, wanted):
-            raise ConfigError(f"{where}{f.name} must be {' or '.join(kinds)}, got {value!r}")
+        return PodRules(
+            self.pod_port,
+            selector(self.prefill_selector),
+            selector(self.decode_selector),
+            self.bootstrap_port_annotation,
+        )
 
 
 def validate(config: RouterConfig) -> RouterConfig:
@@ -325,28 +303,6 @@ def check_prefix(config: RouterConfig) -> None:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
 
 
-def check_kv_events(spec: WorkerSpec, url: str) -> None:
-    for name in ("kv_events", "kv_replay"):
-        value = getattr(spec, name)
-        if value is None or (value == "auto" and name == "kv_events"):
-            continue
-        where = urlsplit(value)
-        try:
-            port = where.port
-        except ValueError:
-            port = None
-        if where.scheme != "tcp" or not where.hostname or port is None:
-            raise ConfigError(
-                f"worker {url}: {name} must be tcp://HOST:PORT"
-                + (" or auto" if name == "kv_events" else "")
-                + f", got {value!r}"
-            )
-    if spec.kv_replay is not None and spec.kv_events is None:
-        raise ConfigError(f"worker {url}: kv_replay needs kv_events")
-    if spec.kv_block_size is not None and spec.kv_block_size < 1:
-        raise ConfigError(f"worker {url}: kv_block_size must be at least 1")
-
-
 KUBERNETES = "k8s"
 KUBERNETES_OPTIONS = (
     "selector",
@@ -405,38 +361,6 @@ def parse_discovery(url: str) -> tuple[list[str], str]:
     return [f"http://{host}" for host in parts.netloc.split(",") if host], prefix
 
 
-def check_worker(spec: WorkerSpec) -> WorkerSpec:
-    if not isinstance(spec.url, str):
-        raise ConfigError(f"worker url must be a string, got {spec.url!r}")
-    try:
-        url = normalise_url(spec.url)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    check_types(spec, f"worker {url}: ")
-    if spec.role not in ROLES:
-        raise ConfigError(f"worker {url}: role must be one of {', '.join(ROLES)}")
-    if spec.dialect not in (None, "vllm", "sglang"):
-        raise ConfigError(f"worker {url}: dialect must be auto, vllm or sglang")
-    if spec.dp_size is not None and spec.dp_size < 1:
-        raise ConfigError(f"worker {url}: dp_size must be at least 1")
-    if spec.rank_offset is not None and spec.rank_offset < 0:
-        raise ConfigError(f"worker {url}: rank_offset must be at least 0")
-    check_kv_events(spec, url)
-    return replace(spec, url=url)
-
-
-def worker_from_mapping(raw: dict[str, Any]) -> WorkerSpec:
-    known = {f for f in WorkerSpec.__dataclass_fields__}
-    unknown = set(raw) - known
-    if unknown:
-        raise ConfigError(f"unknown worker keys {sorted(unknown)}; known: {sorted(known)}")
-    if "url" not in raw:
-        raise ConfigError("every worker needs a url")
-    if raw.get("dialect") == "auto":
-        raw = {**raw, "dialect": None}
-    return WorkerSpec(**raw)
-
-
 def load_file(path: Path) -> dict[str, Any]:
     """A TOML file: top-level router options and ``[[workers]]`` tables."""
     try:
@@ -455,20 +379,23 @@ def load_file(path: Path) -> dict[str, Any]:
     return options
 
 
-INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port", "tp_size", "kv_block_size")
+def sources(config: RouterConfig, registry: Registry, monitor: Monitor) -> list[Source]:
+    """The membership sources the configuration names (besides its own list of workers):
+    the one place they are chosen, for a router alone and the control plane alike."""
+    if config.discovery is None:
+        return []
+    if config.discovery == KUBERNETES:
+        from dprouter.fleet.membership.kubeconfig import access
+        from dprouter.fleet.membership.kubernetes import KubernetesMembership
 
+        found = access(config.kubeconfig)  # a bad kubeconfig fails here, at start-up
+        rules = config.pod_rules()
+        return [
+            KubernetesMembership(
+                found, registry, monitor, rules, config.namespace, config.selector, config.resync
+            )
+        ]
+    from dprouter.fleet.membership.etcd import EtcdMembership
 
-def parse_worker(text: str, role: str = "regular") -> WorkerSpec:
-    """``URL[,key=value...]``, e.g. ``http://[::1]:8000,dialect=vllm,dp_size=8``."""
-    url, *pairs = text.split(",")
-    raw: dict[str, Any] = {"url": url, "role": role}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ConfigError(f"--worker {text!r}: expected key=value after the URL, got {pair!r}")
-        key = key.strip().replace("-", "_")
-        try:
-            raw[key] = int(value) if key in INT_KEYS else value
-        except ValueError:
-            raise ConfigError(f"--worker {text!r}: {key} must be an integer") from None
-    return worker_from_mapping(raw)
+    endpoints, prefix = parse_discovery(config.discovery)
+    return [EtcdMembership(endpoints, prefix, registry, monitor, config.check_new_worker)]

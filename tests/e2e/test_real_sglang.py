@@ -18,8 +18,9 @@ import aiohttp
 import pytest
 from e2e.sglang.server import SglangServer
 
-from dprouter import load
-from dprouter.config import RouterConfig, WorkerSpec
+from dprouter.config import RouterConfig
+from dprouter.fleet import engine_load
+from dprouter.fleet.worker_spec import WorkerSpec
 from tests.conftest import StartRouter, until
 from tests.e2e.conftest import SUMMARY
 
@@ -175,7 +176,7 @@ async def test_the_token_counts_read_are_the_ones_sglang_reports_per_rank(
     seen: dict[int, tuple[int, int]] = {}
     try:
         for _ in range(100):  # the engine's counts can lag the first events, each its own way
-            seen = await load.scrape(http, worker)
+            seen = await engine_load.scrape(http, worker)
             if seen[rank][0] == 1 and seen[rank][1] >= 200:
                 break
             await asyncio.sleep(0.05)

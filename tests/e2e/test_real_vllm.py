@@ -12,9 +12,10 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dprouter import load
-from dprouter.config import RouterConfig, WorkerSpec
-from dprouter.targets import Worker
+from dprouter.config import RouterConfig
+from dprouter.fleet import engine_load
+from dprouter.fleet.targets import Worker
+from dprouter.fleet.worker_spec import WorkerSpec
 from e2e import vllm_server
 from tests.conftest import StartRouter, until
 from tests.e2e.conftest import SUMMARY
@@ -157,7 +158,7 @@ async def test_the_token_series_read_is_the_one_vllm_exports(
     async with http.get(vllm_dp2.url + "/metrics") as r:
         text = await r.text()
     assert "vllm:cache_config_info{" in text and "vllm:kv_cache_usage_perc{" in text
-    assert await load.scrape(http, worker) == {0: (0, 0), 1: (0, 0)}  # idle: nothing held
+    assert await engine_load.scrape(http, worker) == {0: (0, 0), 1: (0, 0)}  # idle: nothing held
     # not streamed: less for vLLM's API server to do per decode step (no SSE to send), more
     # room to answer the scrapes while the engine decodes
     long = {**BODY, "prompt": "hello there " * 200, "max_tokens": 1200}
@@ -167,7 +168,7 @@ async def test_the_token_series_read_is_the_one_vllm_exports(
     async def watch() -> None:  # from the send on: the engine publishes its stats a step late
         nonlocal seen
         while True:
-            now = await load.scrape(http, worker)
+            now = await engine_load.scrape(http, worker)
             if any(tokens > 0 for _, tokens in now.values()):
                 seen = now
                 return
@@ -205,7 +206,7 @@ async def test_the_token_series_read_is_the_one_vllm_exports(
 async def until_idle(http: aiohttp.ClientSession, worker: Worker) -> bool:
     """Whether vLLM reports no request and no KV token on any rank within 5 s."""
     for _ in range(100):
-        if await load.scrape(http, worker) == {0: (0, 0), 1: (0, 0)}:
+        if await engine_load.scrape(http, worker) == {0: (0, 0), 1: (0, 0)}:
             return True
         await asyncio.sleep(0.05)
     return False

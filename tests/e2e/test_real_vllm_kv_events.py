@@ -1,7 +1,7 @@
 """A real vLLM (CPU build, tiny model, DP=2) publishing KV-cache events: what the router's
 prefix routing relies on, checked against the engine itself.
 
-The router tokenises prompts with the model's own files (``dprouter.tokenizer``) and keys
+The router tokenises prompts with the model's own files (``dprouter.core.tokenizer``) and keys
 the engine's cached blocks by the token ids the events carry; both only work if the ids
 are exactly the engine's. Its own module: the engine starts after the other vLLM modules'
 servers have stopped (two at once would share the machine's two cores).
@@ -20,8 +20,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from dprouter.config import RouterConfig, WorkerSpec
-from dprouter.tokenizer import ModelTokenizer
+from dprouter.config import RouterConfig
+from dprouter.core.tokenizer import ModelTokenizer
+from dprouter.fleet.worker_spec import WorkerSpec
 from e2e import vllm_server
 from tests.conftest import StartRouter, until
 from tests.e2e.conftest import SUMMARY

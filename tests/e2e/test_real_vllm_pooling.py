@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from dprouter.config import RouterConfig, WorkerSpec
+from dprouter.config import RouterConfig
+from dprouter.fleet.worker_spec import WorkerSpec
 from e2e import vllm_server
 from tests.conftest import StartRouter
 from tests.e2e.conftest import SUMMARY

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from dprouter.bench.plots import bars
 from dprouter.bench.results import Result, Table
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Worker
 from dprouter.policies import RequestInfo, make_policy
-from dprouter.registry import Registry
-from dprouter.targets import Worker
 
 # one role of each RFC #46107 shape: (instances, dp_size); TP8 is one rank per instance
 SHAPES: dict[str, tuple[int, int]] = {

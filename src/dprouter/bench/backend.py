@@ -15,7 +15,7 @@ import time
 import orjson
 from aiohttp import web
 
-from dprouter.net import bind, url_of
+from dprouter.core.net import bind, url_of
 
 CHUNKS = 16
 

@@ -21,15 +21,15 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from dprouter.bench.kvfeed import SimKvFeed
-from dprouter.estimate import OutputEstimate
-from dprouter.load import assign
+from dprouter.fleet.engine_load import assign
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Outstanding, Target, Worker
 from dprouter.policies import Policy, PolicyOptions, RequestInfo, make_policy, needs_tokens
-from dprouter.registry import Registry
+from dprouter.proxy.output_budget import OutputEstimate
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.offline import Arrival, Cluster, OfflineSim
 from dprouter.sim.report import SimReport
 from dprouter.sim.request import SimRequest
-from dprouter.targets import Outstanding, Target, Worker
 
 OPENING = 256  # routing decisions kept in order: where a burst's opening went
 

@@ -17,12 +17,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dprouter.kvevents import wire
-from dprouter.kvevents.index import KvIndex
-from dprouter.kvevents.lookup import Found, Matcher
+from dprouter.engines.kvevents import wire
+from dprouter.engines.kvevents.index import KvIndex
+from dprouter.engines.kvevents.lookup import Found, Matcher
+from dprouter.fleet.targets import Target
 from dprouter.sim.kvevents import encode_batch
 from dprouter.sim.rank import Rank
-from dprouter.targets import Target
 
 DELAY = 0.005  # seconds from a step's end to its events in the index (ZMQ, decode)
 

@@ -29,12 +29,12 @@ from dprouter.bench.peers_checks import ORACLE, aims, hits, processes
 from dprouter.bench.plots import bars
 from dprouter.bench.procs import DPROUTER, Proc, url_in
 from dprouter.bench.results import Cell, Result, Table
+from dprouter.core.tokenizer import ModelTokenizer
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import CostModel, EngineConfig, RankLimits
 from dprouter.sim.kvevents import KvEventsConfig
 from dprouter.sim.server import SimServer
 from dprouter.sim.vocab import write_tokenizer
-from dprouter.tokenizer import ModelTokenizer
 
 SCALE = 0.25  # wall seconds per simulated second
 # rollout workloads per run, each on a fresh cluster, by --quick: their rank balance swings

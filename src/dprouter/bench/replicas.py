@@ -29,7 +29,7 @@ from dprouter.bench.etcd_server import EtcdServer
 from dprouter.bench.peers_quality import ROLLOUT_ENGINE, SCALE
 from dprouter.bench.procs import DPROUTER, Proc, url_in
 from dprouter.bench.results import Cell, Result, Table
-from dprouter.etcd import Etcd
+from dprouter.fleet.membership.etcd_client import Etcd
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig, RankLimits
 

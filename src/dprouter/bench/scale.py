@@ -17,11 +17,11 @@ from pathlib import Path
 from dprouter.bench.harness import SimRouter
 from dprouter.bench.plots import lines
 from dprouter.bench.results import Cell, Result, Table
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Target, Worker
 from dprouter.policies import POLICIES, PolicyOptions, Prefix, RequestInfo, make_policy
-from dprouter.registry import Registry
 from dprouter.sim.config import EngineConfig, RankLimits
 from dprouter.sim.offline import Arrival, OfflineSim
-from dprouter.targets import Target, Worker
 
 SIZES = (64, 256, 1024, 4096)
 BEFORE = Path(__file__).parents[3] / "bench" / "baselines" / "scale-before.json"

@@ -11,8 +11,8 @@ from typing import Generic, Literal, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from dprouter.fleet.targets import Target
 from dprouter.policies import kernels
-from dprouter.targets import Target
 
 Assignment = Literal["random", "min_load", "min_group"]
 

@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from dprouter.fleet.targets import Target
 from dprouter.policies import kernels
 from dprouter.policies.base import PolicyOptions, RequestInfo, readers
-from dprouter.targets import Target
 
 I64 = npt.NDArray[np.int64]
 

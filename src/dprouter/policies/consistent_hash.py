@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from dprouter.fleet.targets import Target
 from dprouter.policies import kernels
 from dprouter.policies.base import PolicyOptions, RequestInfo, make_rng
-from dprouter.targets import Target
 
 MASK = (1 << 64) - 1
 CACHE = 100_000  # winners remembered per snapshot: a key's winner only changes with the pool

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dprouter.fleet.targets import Target
 from dprouter.policies.base import (
     PolicyOptions,
     Reader,
@@ -29,7 +30,6 @@ from dprouter.policies.base import (
     make_rng,
     readers,
 )
-from dprouter.targets import Target
 
 
 class Manual:

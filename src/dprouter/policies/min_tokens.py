@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dprouter.fleet.targets import Target
 from dprouter.policies import kernels
 from dprouter.policies.base import PolicyOptions, RequestInfo, readers
-from dprouter.targets import Target
 
 
 class MinTokens:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from dprouter.fleet.targets import Target
 from dprouter.policies.base import PolicyOptions, RequestInfo, make_rng
-from dprouter.targets import Target
 
 SAMPLE_POOL = 21  # random.sample's own threshold between its two methods, for k = 2
 

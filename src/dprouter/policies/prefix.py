@@ -35,9 +35,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from dprouter.fleet.targets import Target
 from dprouter.policies import kernels
 from dprouter.policies.base import ByPool, PolicyOptions, RequestInfo, first_least
-from dprouter.targets import Target
 
 NONE: npt.NDArray[np.int64] = np.zeros(0, np.int64)  # no prefill queued anywhere
 LARGE = 2048  # pools from this size find the least cost with numpy (measured)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dprouter.fleet.targets import Target
 from dprouter.policies.base import PolicyOptions, RequestInfo, make_rng
-from dprouter.targets import Target
 
 
 class RandomPick:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from dprouter.fleet.targets import Target
 from dprouter.policies.base import PolicyOptions, RequestInfo
-from dprouter.targets import Target
 
 
 class RoundRobin:

@@ -10,10 +10,10 @@ from typing import Any
 
 import click
 
+from dprouter.core.types import PD_MODES
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import (
     LEGACY_SGLANG_DISPATCH,
-    PD_MODES,
     SGLANG_DISPATCH,
     EngineConfig,
     Faults,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dprouter.core.types import PD_MODES, PdMode
 from dprouter.sim.kvevents import KvEventsConfig
 
 Persona = Literal["vllm", "sglang"]
@@ -103,10 +104,6 @@ class Faults:
             raise ValueError("fail_rate must be within [0, 1]")
         if any(f <= 0 for f in self.slow_ranks.values()):
             raise ValueError("slow rank factors must be > 0")
-
-
-PdMode = Literal["vllm-nixl", "vllm-moriio", "sglang"]
-PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-moriio", "sglang")
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from dprouter.core.tokenizer import ModelTokenizer
 from dprouter.sim.tokens import render_chat, tokenize
-from dprouter.tokenizer import ModelTokenizer
 
 
 class Encoder(Protocol):

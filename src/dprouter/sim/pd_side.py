@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from dprouter.net import bind
+from dprouter.core.net import bind
 from dprouter.sim.config import PdConfig
 from dprouter.sim.kvstore import KvStore
 from dprouter.sim.pd import prefill_answer

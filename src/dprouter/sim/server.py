@@ -12,8 +12,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from dprouter.httplog import quiet_malformed
-from dprouter.net import bind, url_of
+from dprouter.core.log_filter import quiet_malformed
+from dprouter.core.net import bind, url_of
 from dprouter.sim import endpoints
 from dprouter.sim.audio import Audio
 from dprouter.sim.config import EngineConfig

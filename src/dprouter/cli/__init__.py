@@ -1,0 +1,43 @@
+"""The ``dprouter`` command: a thin layer over the Python API.
+
+Each command's module is imported only when that command is asked for, so
+``dprouter serve`` loads the router alone: not the simulator, the benchmarks,
+or their plotting and progress-bar libraries (the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> "module:attribute" of the click command
+COMMANDS = {
+    "bench": "dprouter.bench.command:bench",
+    "demo": "dprouter.cli.demo:demo",
+    "register": "dprouter.cli.register:register",
+    "serve": "dprouter.cli.serve:serve",
+    "sim": "dprouter.sim.command:sim",
+    "top": "dprouter.cli.top:top_command",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported when they are looked up (click's lazy pattern)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, name = COMMANDS[cmd_name].split(":")
+        command = getattr(importlib.import_module(module), name)
+        assert isinstance(command, click.Command), COMMANDS[cmd_name]
+        return command
+
+
+@click.group(cls=LazyGroup)
+@click.version_option(package_name="dprouter")
+def main() -> None:
+    """dprouter: route LLM requests to (worker, dp_rank) targets."""

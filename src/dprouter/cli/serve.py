@@ -1,0 +1,525 @@
+"""``dprouter serve``: the command line over ``RouterConfig`` and ``Router``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dprouter.config import RouterConfig, load_file, validate
+from dprouter.core import gc_tuning
+from dprouter.core.errors import ConfigError
+from dprouter.core.types import PD_MODES, ROLES
+from dprouter.fleet.worker_spec import parse_worker
+from dprouter.multiproc.supervisor import Supervisor
+from dprouter.policies import POLICIES
+from dprouter.server.app import Router
+
+log = logging.getLogger("dprouter")
+
+
+def make_config(
+    ctx: click.Context, config_file: Path | None, workers: tuple[str, ...], options: dict[str, Any]
+) -> RouterConfig:
+    """File values first; options given on the command line override them."""
+    values: dict[str, Any] = load_file(config_file) if config_file else {}
+    by_role = [
+        parse_worker(w, role) for role in ("prefill", "decode") for w in options.pop(f"{role}s")
+    ]
+    for name, value in options.items():
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            values[name] = value
+        else:
+            values.setdefault(name, value)
+    listed = (*(parse_worker(w) for w in workers), *by_role)
+    values["workers"] = (*values.get("workers", ()), *listed)
+    return validate(RouterConfig(**values))
+
+
+@click.command()
+@click.option(
+    "--worker",
+    "workers",
+    multiple=True,
+    metavar="URL[,key=value...]",
+    help="An engine endpoint; keys: id, dialect, dp_size, role, model, rank_offset, "
+    "bootstrap_port, tp_size, kv_events (tcp://HOST:PORT, rank r on PORT + r, or auto), "
+    "kv_replay.",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, path_type=Path),
+    help="TOML file with router options and [[workers]] tables.",
+)
+@click.option(
+    "--discovery",
+    default=None,
+    metavar="etcd://HOST:PORT[,HOST:PORT...]/PREFIX|k8s",
+    help="Also take workers from etcd (one key per worker under PREFIX; see dprouter register) "
+    "or from Kubernetes pods (k8s).",
+)
+@click.option(
+    "--selector",
+    default=None,
+    metavar="K=V[,K=V...]",
+    help="k8s: label selector of the engine pods (applied by the API server).",
+)
+@click.option(
+    "--namespace",
+    default=None,
+    help="k8s: the pods' namespace (default: the router pod's own, or the kubeconfig context's).",
+)
+@click.option(
+    "--pod-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="k8s: the engine's port in each pod (default: the pod's dprouter/ports annotation).",
+)
+@click.option(
+    "--prefill-selector",
+    default=None,
+    metavar="K=V[,K=V...]",
+    help="k8s with --pd: pods matching it are prefill workers.",
+)
+@click.option(
+    "--decode-selector",
+    default=None,
+    metavar="K=V[,K=V...]",
+    help="k8s with --pd: pods matching it are decode workers.",
+)
+@click.option(
+    "--bootstrap-port-annotation",
+    default="sglang.ai/bootstrap-port",
+    show_default=True,
+    help="k8s: the pod annotation holding an SGLang prefill's bootstrap port.",
+)
+@click.option(
+    "--kubeconfig",
+    default=None,
+    metavar="FILE",
+    help="k8s outside a pod: the kubeconfig (default $KUBECONFIG, else ~/.kube/config).",
+)
+@click.option(
+    "--resync",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="k8s: seconds between whole re-lists of the pods, whatever the watch said.",
+)
+@click.option(
+    "--pd", type=click.Choice(PD_MODES), default=None, help="Prefill/decode disaggregation flow."
+)
+@click.option(
+    "--prefill",
+    "prefills",
+    multiple=True,
+    metavar="URL[,key=value...]",
+    help="A prefill engine (SGLang: bootstrap_port=N unless /server_info says).",
+)
+@click.option(
+    "--decode", "decodes", multiple=True, metavar="URL[,key=value...]", help="A decode engine."
+)
+@click.option(
+    "--prefill-policy",
+    type=click.Choice(list(POLICIES)),
+    default=None,
+    help="P/D: policy over prefill targets (default --policy).",
+)
+@click.option(
+    "--decode-policy",
+    type=click.Choice(list(POLICIES)),
+    default=None,
+    help="P/D: policy over decode targets (default --policy).",
+)
+@click.option(
+    "--registration",
+    default="tcp://127.0.0.1:36367",
+    show_default=True,
+    help="MoRIIO: the ZMQ address instances register at.",
+)
+@click.option(
+    "--heartbeat-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="MoRIIO: expire an instance silent this long.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8080,
+    show_default=True,
+    help="Port to listen on (0: any free port; the log says which).",
+)
+@click.option(
+    "--processes",
+    default="1",
+    show_default=True,
+    metavar="N|auto",
+    help="Serving processes on the port, sharing one view of load (auto: one per core).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(list(POLICIES)),
+    default=None,
+    help="Default round_robin (manual with --sessions).",
+)
+@click.option(
+    "--assignment",
+    type=click.Choice(["random", "min_load", "min_group"]),
+    default=None,
+    help="How manual places a new routing key.",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizers",
+    multiple=True,
+    metavar="[MODEL=]DIR",
+    help="A model's tokenizer directory (tokenizer.json, tokenizer_config.json), loaded at "
+    "start-up, never from a hub; without MODEL= for any model without its own. For --policy "
+    "prefix.",
+)
+@click.option(
+    "--kv-capacity",
+    type=click.IntRange(min=1),
+    default=4_000_000,
+    show_default=True,
+    help="prefix: blocks the KV-event index holds at most, over all ranks (~200 B each).",
+)
+@click.option(
+    "--cache-threshold",
+    type=click.FloatRange(0, 1),
+    default=0.5,
+    show_default=True,
+    help="cache_aware: least share of the prompt a target's remembered prefix must cover.",
+)
+@click.option(
+    "--cache-bound",
+    type=click.FloatRange(min=0),
+    default=1.5,
+    show_default=True,
+    help="cache_aware: affinity holds while the target's load <= this x (mean load + 1).",
+)
+@click.option(
+    "--prefix-weight",
+    type=click.FloatRange(min=0),
+    default=4.0,
+    show_default=True,
+    help="prefix: worth of a target holding the whole prompt (docs/kv-events.md).",
+)
+@click.option(
+    "--prefix-bound",
+    type=click.FloatRange(min=0),
+    default=1.5,
+    show_default=True,
+    help="prefix: a held prefix counts while the target's load <= this x (mean load + 1).",
+)
+@click.option(
+    "--load-weight",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="prefix: cost of requests in flight, relative to the mean + 1.",
+)
+@click.option(
+    "--token-weight",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="prefix: cost of tokens in flight, relative to the mean + the prompt's.",
+)
+@click.option(
+    "--queue-weight",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="prefix: cost of prefill sent to a target and not yet stored, in prompts like this one.",
+)
+@click.option("--sessions", is_flag=True, help="Clients send routing keys: keep them sticky.")
+@click.option(
+    "--dp-aware",
+    type=click.Choice(["auto", "off"]),
+    default="auto",
+    show_default=True,
+    help="Route to ranks of DP engines (off: engines pick).",
+)
+@click.option("--trust-client-rank", is_flag=True, help="Keep rank headers/fields clients send.")
+@click.option(
+    "--forward-authorization",
+    is_flag=True,
+    help="Pass clients' Authorization header on to the engines.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the random policies' choices."
+)
+@click.option(
+    "--key-ttl",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    show_default=True,
+    help="manual: forget a routing key idle this many seconds.",
+)
+@click.option(
+    "--session-bound",
+    type=click.FloatRange(min=0),
+    default=1.5,
+    show_default=True,
+    help="manual: a routing key moves off its target once that target's load reaches this "
+    "many times the mean load + 2 (0: keys never move for load).",
+)
+@click.option(
+    "--output-budget",
+    type=click.Choice(["typical", "cap"]),
+    default="typical",
+    show_default=True,
+    help="The output tokens a request is counted by (min_tokens, prefix, token load): "
+    "min(max_tokens, the typical length of the answers seen), or max_tokens as sent (for "
+    "clients whose max_tokens is the length they expect).",
+)
+@click.option(
+    "--max-body",
+    type=click.IntRange(min=1),
+    default=32 << 20,
+    show_default=True,
+    help="Largest request body in bytes (413 beyond).",
+)
+@click.option(
+    "--backlog",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="Listen backlog: a burst queues here instead of being reset.",
+)
+@click.option(
+    "--attempts",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Tries per request before its first byte, each on another target.",
+)
+@click.option(
+    "--retry-backoff",
+    type=click.FloatRange(min=0),
+    default=0.02,
+    show_default=True,
+    help="Seconds before a second attempt, doubling per attempt, jittered, at most 1 s.",
+)
+@click.option(
+    "--total-timeout",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds one attempt may take in all, a stream included (0: no limit).",
+)
+@click.option(
+    "--max-concurrent",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Requests in flight at once (0: no cap); beyond it they queue.",
+)
+@click.option(
+    "--queue-size",
+    type=click.IntRange(min=0),
+    default=1024,
+    show_default=True,
+    help="Requests waiting for a slot at most; beyond it: 429 with Retry-After.",
+)
+@click.option(
+    "--queue-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds a queued request waits for a slot before a 429.",
+)
+@click.option(
+    "--breaker-failures",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    help="Consecutive failures that take a target (one rank) out (0: never).",
+)
+@click.option(
+    "--breaker-cooldown",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Seconds a target stays out before a half-open trial.",
+)
+@click.option(
+    "--health-interval",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Seconds between GET /health of each worker (0: off).",
+)
+@click.option(
+    "--health-failures",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Consecutive failed health checks that take a worker out.",
+)
+@click.option(
+    "--health-successes",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Consecutive good health checks that take a worker back.",
+)
+@click.option(
+    "--health-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2.0,
+    show_default=True,
+    help="Seconds one health check may take.",
+)
+@click.option(
+    "--connect-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Seconds to open a connection to an engine; then retried elsewhere.",
+)
+@click.option(
+    "--first-byte-timeout",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds until an engine's answer starts (0: --read-timeout); then retried elsewhere.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, seconds in-flight requests get to finish (a second signal: at once).",
+)
+@click.option(
+    "--load-interval",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds between scrapes of engine-reported load (0: off). Default 1, or 0.25 with "
+    "--discovery.",
+)
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    show_default=True,
+    help="Seconds without a byte from the engine before the attempt fails (0: none).",
+)
+@click.option(
+    "--startup-timeout",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for discovery before refusing misconfigured workers and logging the "
+    "targets; the router listens meanwhile (503 until a worker is ready).",
+)
+@click.option(
+    "--admin-token",
+    envvar="DPROUTER_ADMIN_TOKEN",
+    default=None,
+    help="Enables /workers; also read from DPROUTER_ADMIN_TOKEN.",
+)
+@click.option(
+    "--dashboard",
+    is_flag=True,
+    help="Serve the live view at /dashboard and its JSON at /dashboard/data (behind "
+    "--admin-token when set).",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+    help="How much the router logs.",
+)
+@click.pass_context
+def serve(
+    ctx: click.Context,
+    /,
+    workers: tuple[str, ...],
+    config_file: Path | None,
+    log_level: str,
+    **options: Any,
+) -> None:
+    """Route requests to every (worker, dp_rank) target of vLLM and SGLang engines."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        config = make_config(ctx, config_file, workers, options)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    except TypeError as exc:
+        raise click.UsageError(f"bad option in the configuration: {exc}") from None
+    if (
+        not (config.workers or config.admin_token or config.discovery)
+        and config.pd != "vllm-moriio"
+    ):
+        raise click.UsageError(
+            "no --worker given, no --discovery and no --admin-token to add workers later"
+        )
+    try:
+        asyncio.run(run(config))
+    except ConfigError as exc:  # what the configuration names is missing or unreadable
+        raise click.UsageError(str(exc)) from None
+
+
+async def run(config: RouterConfig) -> None:
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("second signal: exiting now, in-flight requests are cut")
+            os._exit(1)
+        log.info("stopping: no new connections, %g s for in-flight requests", config.grace)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    router: Router | Supervisor = Router(config)
+    if config.process_count > 1:
+        router = Supervisor(config)
+    try:
+        await router.start()
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {exc}") from None
+    try:
+        if not await router.settled(config.startup_timeout):
+            waiting = [w.id for w in router.registry.workers.values() if w.state == "discovering"]
+            log.warning("still discovering %s; they get traffic once they answer", waiting)
+        listed = {spec.url for spec in config.workers}  # etcd's come and go: only logged
+        refused = [
+            w.id for w in router.registry.workers.values() if w.state == "error" and w.url in listed
+        ]
+        if refused:  # each was logged, with its reason, when it was refused
+            names = ", ".join(refused)
+            raise click.ClickException(f"refusing to start with misconfigured workers: {names}")
+        snapshot = router.registry.snapshot
+        targets = sum(len(snapshot.pool(role)) for role in ROLES)
+        gc_tuning.tune()  # what lives as long as the router is in place now
+        log.info(
+            "dprouter on %s: policy %s, %d target(s), %d serving process(es)",
+            router.url,
+            config.policy_name,
+            targets,
+            config.process_count,
+        )
+        if isinstance(router, Supervisor):  # it may find it cannot serve after all
+            await asyncio.wait(
+                [asyncio.create_task(e.wait()) for e in (stop, router.gave_up)],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        else:
+            await stop.wait()
+    finally:
+        await router.stop()

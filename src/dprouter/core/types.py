@@ -1,0 +1,36 @@
+"""The words the whole router shares, as types: roles, dialects, P/D flows, request kinds.
+
+See ``shared vocabulary`` in docs/architecture.md: a worker is one engine endpoint, a
+target one of its DP ranks; a role says what a worker does; a dialect how an engine
+kind wants its rank written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Role = Literal["regular", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("regular", "prefill", "decode")
+Side = Literal["prefill", "decode"]  # the two legs of a P/D request
+DialectName = Literal["vllm", "sglang"]
+PdMode = Literal["vllm-nixl", "vllm-moriio", "sglang"]  # a P/D flow, chosen at start-up
+PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-moriio", "sglang")
+DpAware = Literal["auto", "off"]
+# how a request's body is read: each endpoint names one (see server/endpoints.py)
+Kind = Literal["completion", "chat", "generate", "pooling", "tokenizer", "responses", "audio"]
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A client request as the router reads it: just enough to route it."""
+
+    body: dict[str, Any]
+    model: str | None
+    stream: bool
+    key: str | None  # routing key (session), if the client sent one
+    text: str  # the prompt's start, for prefix affinity
+    tokens: int  # prompt + output budget
+    output: int = 0  # the output budget (max_tokens, or the default when unset)
+    prompt_tokens: int = 0  # estimated
+    limit: int | None = None  # max_tokens as sent; None: unset

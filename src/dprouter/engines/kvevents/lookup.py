@@ -1,0 +1,128 @@
+"""What each target of a pool holds of a request's prompt (``RequestInfo.prefix``), and
+what the router sends where (pending blocks): one ``Matcher`` for the router's request
+path and the offline benchmark's feed alike."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from dprouter.core.types import Incoming, Kind
+from dprouter.engines.kvevents.index import KvIndex, Rank
+from dprouter.engines.kvevents.keys import prompt_keys
+from dprouter.engines.kvevents.prompt import Tokens, for_request
+from dprouter.fleet.targets import Target
+from dprouter.policies import Prefix
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """A pool's ranks in the index."""
+
+    groups: dict[int, tuple[int, dict[int, str]]]  # block size -> (mask of bits, label by bit)
+    by_label: dict[str, Rank]
+
+
+@dataclass(frozen=True)
+class Found:
+    """A prompt looked up: what the policy reads, and its keys for ``Matcher.sent``."""
+
+    prefix: Prefix
+    keys: dict[int, list[int]]  # block size -> the prompt's block keys
+    ranks: Ranks
+
+
+class PendingRow:
+    """``Prefix.queued`` read off the index: its row of pending tokens by rank bit,
+    gathered in a pool's order (one numpy step; the pool's bits kept per pool)."""
+
+    def __init__(self, index: KvIndex) -> None:
+        self.index = index
+        self._cached: tuple[Sequence[Target] | None, int, npt.NDArray[np.intp]]
+        self._cached = (None, -1, np.zeros(0, np.intp))
+
+    def of(self, targets: Sequence[Target]) -> npt.NDArray[np.int64]:
+        index = self.index
+        kept, version, bits = self._cached
+        if kept is not targets or version != index.version:
+            none = len(index.queue) - 1  # always 0: no rank in the index
+            found = (index.ranks.get((t.worker.id, t.rank or 0)) for t in targets)
+            bits = np.array([none if r is None else r.bit for r in found], np.intp)
+            self._cached = (targets, index.version, bits)
+        return index.queue[bits]
+
+
+class Matcher:
+    def __init__(self, index: KvIndex) -> None:
+        self.index = index
+        self.queued = PendingRow(index)
+        self._cached: tuple[Sequence[Target] | None, int, Ranks] = (None, -1, Ranks({}, {}))
+
+    def ranks(self, pool: Sequence[Target]) -> Ranks:
+        """Kept while the pool (a snapshot's tuple) and the index's ranks are the same."""
+        kept, version, found = self._cached
+        if kept is pool and version == self.index.version:
+            return found
+        found = Ranks({}, {})
+        for t in pool:
+            rank = self.index.ranks.get((t.worker.id, t.rank or 0))
+            if rank is not None and rank.block_size:
+                mask, labels = found.groups.get(rank.block_size, (0, {}))
+                labels[rank.bit] = t.label
+                found.groups[rank.block_size] = (mask | 1 << rank.bit, labels)
+                found.by_label[t.label] = rank
+        self._cached = (pool, self.index.version, found)
+        return found
+
+    def match(self, pool: Sequence[Target], ids: npt.NDArray[np.integer], now: float) -> Found:
+        """``ids`` against what the pool's ranks hold or have pending, at ``now``."""
+        index = self.index
+        index.expire(now)
+        ranks = self.ranks(pool)
+        held: dict[str, int] = {}
+        keys: dict[int, list[int]] = {}
+        for size, (among, labels) in ranks.groups.items():
+            keys[size] = prompt_keys(ids, size)
+            for bit, blocks in index.match(keys[size], among).items():
+                held[labels[bit]] = blocks * size
+        queued = self.queued if index.pending else None
+        return Found(Prefix(len(ids), held, queued), keys, ranks)
+
+    def sent(self, found: Found, target: Target, now: float) -> None:
+        """The prompt went to ``target``: its blocks not held there are pending there."""
+        rank = found.ranks.by_label.get(target.label)
+        if rank is not None and self.index.ranks.get(rank.name) is rank:
+            self.index.expect(rank, found.keys[rank.block_size], now)
+
+
+class Lookup:
+    """The request path's side: the prompt tokenised as its model's engine does."""
+
+    def __init__(
+        self, tokens: Mapping[str | None, Tokens], index: KvIndex, pool: ThreadPoolExecutor
+    ) -> None:
+        self.tokens = tokens
+        self.index = index
+        self.matcher = Matcher(index)
+        self.pool = pool  # where long prompts are encoded
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def find(
+        self, kind: Kind, incoming: Incoming, pool: Sequence[Target], now: float
+    ) -> Found | None:
+        tokens = for_request(self.tokens, incoming)
+        if tokens is None or not self.matcher.ranks(pool).groups:
+            return None  # nothing to match against: not even tokenised
+        ids = await tokens.ids(kind, incoming.body)
+        if ids is None or not len(ids):
+            return None
+        return self.matcher.match(pool, ids, now)  # the index may have moved meanwhile
+
+    def sent(self, found: Found, target: Target, now: float) -> None:
+        self.matcher.sent(found, target, now)

@@ -1,0 +1,181 @@
+"""The registry: workers by id, and an immutable snapshot of routable targets.
+
+The snapshot is rebuilt copy-on-write whenever membership, discovery or health
+changes; the request path only reads ``registry.snapshot`` (no lock, no
+filtering). Targets are ordered over the flat slot space, interleaved across
+workers -- w0r0, w1r0, w2r0, w0r1, w1r1, ... -- so a counter over the tuple
+covers every rank of every worker evenly, whatever each worker's dp size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dprouter.core.errors import Duplicate
+from dprouter.core.types import DialectName, Role
+from dprouter.fleet.board import Board
+from dprouter.fleet.targets import Target, Worker
+from dprouter.fleet.worker_spec import WorkerSpec
+
+
+def interleave(workers: Iterable[Worker]) -> tuple[Target, ...]:
+    columns = [[t for t in w.targets if not t.tripped] for w in workers]
+    depth = max((len(c) for c in columns), default=0)
+    return tuple(c[r] for r in range(depth) for c in columns if r < len(c))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    workers: tuple[Worker, ...]  # ready and healthy, in registration order
+    _pools: dict[tuple[Role, str | None, DialectName | None], tuple[Target, ...]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    known_models: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "known_models", frozenset(self.models()))
+
+    def pool(
+        self, role: Role = "regular", model: str | None = None, dialect: DialectName | None = None
+    ) -> tuple[Target, ...]:
+        """Targets of one role serving ``model`` (any if None) in ``dialect`` (any if None)."""
+        key = (role, model, dialect)
+        found = self._pools.get(key)
+        if found is None:
+            if model is not None and model not in self.known_models:
+                # a name no worker lists goes where any name is served: SGLang engines (they
+                # serve whatever a client writes, "default" say) and workers that list none.
+                # Never cached, so clients cannot grow the cache
+                return interleave(
+                    w
+                    for w in self.workers
+                    if w.role == role
+                    and (w.dialect == "sglang" or not (w.models or w.model))
+                    and (dialect is None or w.dialect == dialect)
+                )
+
+            chosen = [
+                w
+                for w in self.workers
+                if w.role == role
+                and (model is None or w.serves(model))
+                and (dialect is None or w.dialect == dialect)
+            ]
+            found = self._pools[key] = interleave(chosen)
+        return found
+
+    def model_cards(self) -> dict[str, dict[str, Any]]:
+        """One card per model, as the engines wrote it (the first worker listing it), with
+        the smallest ``max_model_len`` of those that serve it: a request fits them all."""
+        cards: dict[str, dict[str, Any]] = {}
+        for w in self.workers:
+            for m in w.models or ((w.model,) if w.model else ()):
+                card = w.cards.get(m) or {"id": m, "object": "model", "owned_by": "dprouter"}
+                seen = cards.setdefault(m, dict(card))
+                limits = [x for x in (seen.get("max_model_len"), card.get("max_model_len")) if x]
+                if limits:
+                    seen["max_model_len"] = min(limits)
+        return cards
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for w in self.workers:
+            for m in w.models or ((w.model,) if w.model else ()):
+                seen.setdefault(m, None)
+        return list(seen)
+
+
+class Registry:
+    """Workers and their targets. ``dp_aware`` False gives each worker one
+    target with no rank: the engine's own balancer then places the request."""
+
+    def __init__(self, dp_aware: bool = True, board: Board | None = None) -> None:
+        self.dp_aware = dp_aware
+        self.board = board or Board()  # load per slot; the registry hands the slots out
+        self.workers: dict[str, Worker] = {}
+        self.snapshot = Snapshot(0, ())
+        self.listeners: list[Callable[[], None]] = []  # told of every rebuild
+        self.stale = False  # membership comes from a source that cannot be read just now
+        self._version = 0
+
+    def add(self, worker: Worker) -> Worker:
+        if worker.id in self.workers:
+            raise Duplicate(f"worker id {worker.id!r} already registered")
+        clash = next((w for w in self.workers.values() if w.url == worker.url), None)
+        if clash is not None:
+            raise Duplicate(f"worker {worker.url} already registered as {clash.id!r}")
+        worker.board, worker.slot = self.board, self.board.take()
+        self.workers[worker.id] = worker
+        self.rebuild()
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        worker = self.workers.pop(worker_id)
+        for t in worker.targets:
+            self.board.give(t.slot)
+        self.board.give(worker.slot)
+        worker.targets = []  # every rank of the worker leaves with it
+        self.rebuild()
+        return worker
+
+    def next_id(self, role: Role = "regular") -> str:
+        prefix = {"regular": "w", "prefill": "p", "decode": "d"}[role]
+        n = 0
+        while f"{prefix}{n}" in self.workers:
+            n += 1
+        return f"{prefix}{n}"
+
+    def mark_ready(self, worker: Worker) -> None:
+        """Discovery (or configuration) settled ``worker.ranks``: give it targets."""
+        wanted: list[int | None] = [None]
+        if self.dp_aware and worker.ranks > 1:
+            wanted = list(range(worker.ranks))
+        have = {t.rank: t for t in worker.targets}  # keep live targets and their counts
+        worker.targets = [
+            have.pop(r) if r in have else Target(worker, r, self.board) for r in wanted
+        ]
+        for gone in have.values():
+            self.board.give(gone.slot)
+        worker.state = "ready"
+        worker.error = None
+        self.rebuild()
+
+    def mark_discovering(self, worker: Worker) -> None:
+        """Out of the snapshot until discovery finds it again (it stopped answering)."""
+        worker.state = "discovering"
+        self.rebuild()
+
+    def mark_error(self, worker: Worker, error: str) -> None:
+        worker.state = "error"
+        worker.error = error
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        self._version += 1
+        ready = tuple(w for w in self.workers.values() if w.ready and w.targets)
+        self.snapshot = Snapshot(self._version, ready)
+        for listener in self.listeners:
+            listener()
+
+    def targets(self) -> list[Target]:
+        return [t for w in self.workers.values() for t in w.targets]
+
+
+def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
+    return Worker(
+        id=spec.id or registry.next_id(spec.role),
+        url=spec.url,
+        role=spec.role,
+        dialect=spec.dialect,
+        dp_size=spec.dp_size,
+        rank_offset=spec.rank_offset,
+        model=spec.model,
+        bootstrap_port=spec.bootstrap_port,
+        tp_size=spec.tp_size,
+        kv_events=spec.kv_events,
+        kv_replay=spec.kv_replay,
+        kv_block_size=spec.kv_block_size,
+    )

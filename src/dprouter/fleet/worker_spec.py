@@ -1,0 +1,147 @@
+"""A worker as configured: ``WorkerSpec``, read from ``--worker URL,key=value``, a
+config file's ``[[workers]]``, the admin API, etcd or a pod's annotations, and checked
+the same way wherever it comes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from yarl import URL
+
+from dprouter.core.errors import ConfigError
+from dprouter.core.types import ROLES, DialectName, Role
+
+
+def normalise_url(raw: str) -> str:
+    """``http://host:port``; IPv6 hosts stay bracketed. A path is refused: the router
+    appends the client's own path (``/v1/completions``, ...) to the worker's URL."""
+    url = URL(raw if "://" in raw else f"http://{raw}")
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"worker URL {raw!r} must be http(s)://host:port")
+    if url.user or url.password or url.query_string or url.fragment:
+        raise ValueError(f"worker URL {raw!r} must not carry credentials, a query or a fragment")
+    if url.path.strip("/"):
+        raise ValueError(
+            f"worker URL {raw!r} has a path ({url.path}): give the engine's root, "
+            f"{url.origin()}; the router adds /v1/... itself"
+        )
+    return str(url.origin())
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    url: str
+    id: str | None = None
+    role: Role = "regular"
+    dialect: DialectName | None = None
+    dp_size: int | None = None
+    rank_offset: int | None = None
+    model: str | None = None
+    bootstrap_port: int | None = None  # SGLang prefill; None: as /server_info reports it
+    tp_size: int | None = None  # P/D peers are told it (MoRIIO); None: as discovered, else 1
+    # KV-cache events: tcp://HOST:PORT, rank r publishing on PORT + r (the engines' layout),
+    # or auto (vLLM's GET /kv_event_sources says); a replay socket likewise (docs/kv-events.md)
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    # the engine's KV block size in tokens (vLLM --block-size, SGLang --page-size): known
+    # before the first event, so the blocks a router sends count as pending from the start
+    kv_block_size: int | None = None
+
+
+SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+}
+
+
+def check_types(obj: object, where: str) -> None:
+    """Every plain field holds its declared type: a file or an API call can say anything."""
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        names = [part.strip() for part in str(f.type).split("|")]
+        if value is None and "None" in names:
+            continue
+        kinds = [n for n in names if n != "None"]
+        if not all(k in SIMPLE_TYPES for k in kinds):
+            continue  # not a plain field: checked by name in validate()
+        wanted = tuple(t for k in kinds for t in SIMPLE_TYPES[k])
+        bool_slipped = isinstance(value, bool) and bool not in wanted  # True is an int too
+        if bool_slipped or not isinstance(value, wanted):
+            raise ConfigError(f"{where}{f.name} must be {' or '.join(kinds)}, got {value!r}")
+
+
+def check_worker(spec: WorkerSpec) -> WorkerSpec:
+    if not isinstance(spec.url, str):
+        raise ConfigError(f"worker url must be a string, got {spec.url!r}")
+    try:
+        url = normalise_url(spec.url)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    check_types(spec, f"worker {url}: ")
+    if spec.role not in ROLES:
+        raise ConfigError(f"worker {url}: role must be one of {', '.join(ROLES)}")
+    if spec.dialect not in (None, "vllm", "sglang"):
+        raise ConfigError(f"worker {url}: dialect must be auto, vllm or sglang")
+    if spec.dp_size is not None and spec.dp_size < 1:
+        raise ConfigError(f"worker {url}: dp_size must be at least 1")
+    if spec.rank_offset is not None and spec.rank_offset < 0:
+        raise ConfigError(f"worker {url}: rank_offset must be at least 0")
+    check_kv_events(spec, url)
+    return replace(spec, url=url)
+
+
+def check_kv_events(spec: WorkerSpec, url: str) -> None:
+    for name in ("kv_events", "kv_replay"):
+        value = getattr(spec, name)
+        if value is None or (value == "auto" and name == "kv_events"):
+            continue
+        where = urlsplit(value)
+        try:
+            port = where.port
+        except ValueError:
+            port = None
+        if where.scheme != "tcp" or not where.hostname or port is None:
+            raise ConfigError(
+                f"worker {url}: {name} must be tcp://HOST:PORT"
+                + (" or auto" if name == "kv_events" else "")
+                + f", got {value!r}"
+            )
+    if spec.kv_replay is not None and spec.kv_events is None:
+        raise ConfigError(f"worker {url}: kv_replay needs kv_events")
+    if spec.kv_block_size is not None and spec.kv_block_size < 1:
+        raise ConfigError(f"worker {url}: kv_block_size must be at least 1")
+
+
+def worker_from_mapping(raw: dict[str, Any]) -> WorkerSpec:
+    known = {f for f in WorkerSpec.__dataclass_fields__}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"unknown worker keys {sorted(unknown)}; known: {sorted(known)}")
+    if "url" not in raw:
+        raise ConfigError("every worker needs a url")
+    if raw.get("dialect") == "auto":
+        raw = {**raw, "dialect": None}
+    return WorkerSpec(**raw)
+
+
+INT_KEYS = ("dp_size", "rank_offset", "bootstrap_port", "tp_size", "kv_block_size")
+
+
+def parse_worker(text: str, role: str = "regular") -> WorkerSpec:
+    """``URL[,key=value...]``, e.g. ``http://[::1]:8000,dialect=vllm,dp_size=8``."""
+    url, *pairs = text.split(",")
+    raw: dict[str, Any] = {"url": url, "role": role}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--worker {text!r}: expected key=value after the URL, got {pair!r}")
+        key = key.strip().replace("-", "_")
+        try:
+            raw[key] = int(value) if key in INT_KEYS else value
+        except ValueError:
+            raise ConfigError(f"--worker {text!r}: {key} must be an integer") from None
+    return worker_from_mapping(raw)

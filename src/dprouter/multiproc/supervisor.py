@@ -1,0 +1,214 @@
+"""``--processes N``: N serving processes on one port, one control plane, one board.
+
+The parent makes the shared board (before any child starts: on Python 3.11 a
+segment made by a child could be unlinked when that child exits), holds the
+port (so port 0 resolves once and a replacement process finds the same one),
+runs the control plane and starts the serving processes. Each serving process
+listens on the port with SO_REUSEPORT, so the kernel spreads connections over
+them. A serving process that dies is replaced; what it had in flight is
+released from the board first, so no count leaks. SIGTERM reaches every
+serving process, each drains with the one grace, and the parent exits last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+from dataclasses import dataclass, replace
+from multiprocessing.shared_memory import SharedMemory
+from types import TracebackType
+
+from prometheus_client.multiprocess import mark_process_dead
+
+from dprouter.config import RouterConfig, validate
+from dprouter.core.net import bind, url_of
+from dprouter.fleet.board import Board, size_of
+from dprouter.fleet.board_lock import Semaphore, Turn, hand_back
+from dprouter.fleet.breakers import Breakers
+from dprouter.fleet.membership import read_within
+from dprouter.fleet.monitor import Monitor
+from dprouter.fleet.registry import Registry, worker_from_spec
+
+log = logging.getLogger("dprouter")
+SPAWN = multiprocessing.get_context("spawn")  # never fork a process with a running loop
+START_TIMEOUT = 60.0  # seconds for every serving process to listen
+
+
+@dataclass(frozen=True)
+class Seat:
+    """What a serving process is given: its row on the board and where the rest is."""
+
+    config: RouterConfig
+    row: int
+    rows: int
+    board: str  # the shared memory's name
+    control: str  # the control plane's Unix socket
+    metrics: str  # prometheus_client's multiprocess directory
+    log_level: int
+    turn: Semaphore  # one decision at a time (see ``turn``)
+
+
+class Supervisor:
+    """The parent: same surface as ``Router`` (start, stop, settled, url, registry)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        from dprouter.multiproc.control import ControlPlane
+        from dprouter.server.app import breaker_options, monitor_options
+
+        self.config = config = validate(config)
+        self.rows = config.process_count
+        self._memory = SharedMemory(create=True, size=size_of(self.rows))
+        self.board = Board(rows=self.rows, buffer=self._memory.buf)
+        self.turn = SPAWN.Semaphore(1)
+        self.board.turn = Turn(self.turn, self.board, holder=self.rows + 1)
+        self.registry = Registry(dp_aware=config.dp_aware != "off", board=self.board)
+        for spec in config.workers:
+            self.registry.add(worker_from_spec(spec, self.registry))
+        self.monitor = Monitor(self.registry, monitor_options(config))
+        self.breakers = Breakers(self.registry, breaker_options(config))
+        self.control = ControlPlane(config, self.registry, self.monitor, self.breakers)
+        self._dir = tempfile.mkdtemp(prefix="dprouter-")
+        self.port = config.port
+        self._held: socket.socket | None = None  # the port, held while the processes serve
+        self.children: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.stopping = False
+        self.replaced = 0  # serving processes replaced after they died
+        self.gave_up = asyncio.Event()  # they kept dying at start-up: the router cannot serve
+        self._gone = asyncio.Event()  # stopping, and every serving process has ended
+        self._quick_deaths = 0
+        self._hash_seed = str(secrets.randbelow(1 << 32))
+
+    @property
+    def url(self) -> str:
+        return url_of(self.config.host, self.port)
+
+    async def start(self) -> None:
+        """Returns once every serving process listens."""
+        try:
+            held = bind(self.config.host, self.port, reuse_port=True, listen=False)
+            self._held = held
+            self.port = held.getsockname()[1]
+            os.mkdir(os.path.join(self._dir, "metrics"))
+            await self.control.start(os.path.join(self._dir, "control.sock"))
+            for row in range(self.rows):
+                self._spawn(row)
+            async with asyncio.timeout(START_TIMEOUT):
+                while len(self.control.listening) < self.rows:
+                    if self.gave_up.is_set():
+                        raise RuntimeError("the serving processes could not start (see the log)")
+                    self.control.joined.clear()
+                    await self.control.joined.wait()
+        except BaseException:
+            await self.stop()
+            raise
+
+    def _spawn(self, row: int) -> None:
+        seat = Seat(
+            # each process draws its own random numbers (seed + row): two drawing the same
+            # would pick the same targets in step and, in SGLang P/D, the same bootstrap
+            # rooms -- one request's KV consumed by another's
+            config=replace(self.config, port=self.port, processes=1, seed=self.config.seed + row),
+            row=row,
+            rows=self.rows,
+            board=self._memory.name,
+            control=os.path.join(self._dir, "control.sock"),
+            metrics=os.path.join(self._dir, "metrics"),
+            log_level=logging.getLogger().level,
+            turn=self.turn,
+        )
+        from dprouter.multiproc.serving_process import main
+
+        child = SPAWN.Process(target=main, args=(seat,), name=f"dprouter-{row}", daemon=False)
+        # one string hash seed for all serving processes, chosen per run: str hashes and set
+        # orders alike in each (what they tell each other no longer depends on it: cache_aware's
+        # prefix blocks are its own kernel's hashes)
+        before = os.environ.get("PYTHONHASHSEED")
+        os.environ["PYTHONHASHSEED"] = self._hash_seed
+        try:
+            child.start()
+        finally:
+            if before is None:
+                del os.environ["PYTHONHASHSEED"]
+            else:
+                os.environ["PYTHONHASHSEED"] = before
+        self.children[row] = child
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        loop.add_reader(child.sentinel, self._ended, row, child, started)
+
+    def _ended(self, row: int, child: multiprocessing.process.BaseProcess, started: float) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(child.sentinel)
+        child.join(0)
+        self.control.listening.discard(row)
+        if hand_back(self.turn, self.board, row):
+            log.warning("serving process %d died holding the turn: handed back", row)
+        self.board.release(row)  # its requests are in flight no more
+        if child.pid is not None:  # its livemax gauges (loop lag) count no more
+            mark_process_dead(child.pid, os.path.join(self._dir, "metrics"))  # type: ignore[no-untyped-call]
+        if self.stopping:
+            if not any(c.is_alive() for c in self.children.values()):
+                self._gone.set()
+            return
+        quick = loop.time() - started < 2.0
+        self._quick_deaths = self._quick_deaths + 1 if quick else 0
+        if self._quick_deaths >= 5:
+            log.error("serving processes keep dying at start-up: giving up")
+            self.gave_up.set()
+            self.control.joined.set()
+            return
+        log.warning(
+            "serving process %d (pid %s) ended with %s: replacing it",
+            row,
+            child.pid,
+            child.exitcode,
+        )
+        self.replaced += 1
+        self._spawn(row)
+
+    async def stop(self) -> None:
+        """SIGTERM to every serving process; each drains with the grace; then the rest."""
+        self.stopping = True
+        alive = [c for c in self.children.values() if c.is_alive()]
+        for child in alive:
+            if child.pid is not None:
+                os.kill(child.pid, signal.SIGTERM)
+        if alive:
+            try:
+                async with asyncio.timeout(self.config.grace + 5.0):
+                    await self._gone.wait()
+            except TimeoutError:
+                log.error("serving processes still running after the grace: killing them")
+        for child in self.children.values():
+            if child.is_alive() and child.pid is not None:
+                os.kill(child.pid, signal.SIGKILL)
+            child.join(1.0)
+        await self.control.stop()
+        if self._held is not None:
+            self._held.close()
+        self.board.close()
+        self._memory.close()
+        self._memory.unlink()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def settled(self, seconds: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        read = await read_within(self.control.sources, seconds)
+        return await self.monitor.settled_within(max(deadline - loop.time(), 0.0)) and read
+
+    async def __aenter__(self) -> Supervisor:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

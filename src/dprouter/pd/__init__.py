@@ -1,1 +1,0 @@
-"""Prefill/decode disaggregation: one flow per engine kind, chosen once at start-up."""

@@ -1,0 +1,128 @@
+"""How many output tokens a request will run to, guessed at admission.
+
+A client's ``max_tokens`` is a cap, not a length: an RL rollout sends the
+longest response it allows (12,000, say) and most decodes stop far short of
+it. Counting the cap makes every request weigh the same, and hides the one
+thing that differs between ranks: which decodes run long. So a request's
+output budget is ``min(max_tokens, typical)``, where ``typical`` is a moving
+average of the output lengths of the requests this router saw finish (a
+stream's events as they pass; a whole answer's ``usage.completion_tokens``,
+or SGLang's ``meta_info.completion_tokens``). Until one has finished, the cap
+(or ``DEFAULT_OUTPUT`` without one) stands. A decode that runs past its
+budget weighs its prompt alone in the router's count; the engine's report of
+the tokens it holds (see ``board``) is what shows it then. The averages live on
+the board: under ``--processes`` every serving process updates and reads the
+same one, so all count a request alike (a process averaging only the answers it
+served weighed the same request differently from the other, by up to the cap
+before its own first answer).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from aiohttp import web
+
+from dprouter.core.types import Incoming
+from dprouter.fleet.board import MODELS, Board
+from dprouter.fleet.targets import Outstanding
+from dprouter.proxy.parse import DEFAULT_OUTPUT
+from dprouter.proxy.relay import was_cut
+
+WEIGHT = 0.05  # of each new length in the average: about the last 20 requests count
+USAGE = b'"completion_tokens":'
+
+
+def completion_tokens(body: bytes) -> int | None:
+    """``completion_tokens`` of a whole JSON answer, found without parsing it all (the
+    last one: SGLang's batches list one per prompt, the usage block comes last)."""
+    at = body.rfind(USAGE)
+    if at < 0:
+        return None
+    digits = body[at + len(USAGE) : at + len(USAGE) + 12].lstrip()
+    end = 0
+    while end < len(digits) and 48 <= digits[end] <= 57:
+        end += 1
+    return int(digits[:end]) if end else None
+
+
+class OutputEstimate:
+    """Typical output lengths, by model (None: requests that name none). On a ``board``,
+    the averages are the board's (under ``--processes``, shared memory: every serving
+    process updates and reads the one average of a model, in the decision's turn), so all
+    count a request alike; a model whose cell another holds is averaged here alone.
+    ``learned`` False (``--output-budget cap``): a request is counted by its cap as sent,
+    for clients whose ``max_tokens`` is the length they expect."""
+
+    def __init__(self, learned: bool = True, board: Board | None = None) -> None:
+        self.learned = learned
+        self.board = board
+        self.typical: dict[str | None, float] = {}  # models without a cell on the board
+        self._cells: dict[str | None, int] = {}  # a model's cell for its average, -1: none
+
+    def cell(self, model: str | None) -> int:
+        """The board cell of ``model``'s average (thousandths of a token; 0: none yet), or
+        -1: no board, or its cell is another model's."""
+        found = self._cells.get(model)
+        if found is not None:
+            return found
+        found = -1
+        board = self.board
+        if board is not None:
+            key = zlib.crc32(str(model).encode()) + 1  # 0 marks a free cell
+            at = board.models_base + 2 * (key % MODELS)
+            with board.step():
+                if board.cells[at] in (0, key):
+                    board.cells[at] = key
+                    found = at + 1
+        self._cells[model] = found
+        return found
+
+    def observe(self, generated: int, model: str | None = None) -> None:
+        """A request for ``model`` finished after ``generated`` output tokens."""
+        at = self.cell(model)
+        if at < 0:
+            t = self.typical.get(model)
+            self.typical[model] = float(generated) if t is None else t + WEIGHT * (generated - t)
+            return
+        board = self.board
+        assert board is not None
+        with board.step():
+            t = board.cells[at] / 1000
+            new = float(generated) if not t else t + WEIGHT * (generated - t)
+            board.cells[at] = max(1, round(new * 1000))  # 0 is "none yet"
+
+    def budget(self, limit: int | None, model: str | None = None) -> int:
+        """The output tokens to count for a request whose cap is ``limit`` (None: unset)."""
+        cap = DEFAULT_OUTPUT if limit is None else limit
+        if not self.learned:
+            return cap
+        at = self.cell(model)
+        if at < 0:
+            t = self.typical.get(model)
+        else:
+            assert self.board is not None
+            thousandths = self.board.cells[at]
+            t = thousandths / 1000 if thousandths else None
+        return cap if t is None else min(cap, round(t))
+
+    def apply(self, incoming: Incoming) -> None:
+        """Count ``incoming`` by its budget: prompt + min(cap, typical)."""
+        incoming.output = self.budget(incoming.limit, incoming.model)
+        incoming.tokens = incoming.prompt_tokens + incoming.output
+
+
+def learn(
+    estimate: OutputEstimate, answer: web.StreamResponse, counted: Outstanding, model: str | None
+) -> None:
+    """What a good answer tells of output lengths: a whole answer its usage, a stream
+    the events that went by."""
+    if answer.status != 200 or was_cut(answer):
+        return
+    if isinstance(answer, web.Response):
+        body = answer.body
+        found = completion_tokens(body) if isinstance(body, bytes) else None
+        if found is not None:
+            estimate.observe(found, model)
+    elif counted.seen:
+        estimate.observe(counted.seen, model)

@@ -1,0 +1,139 @@
+"""What every P/D flow shares: the request in hand, sending one leg, the engine's answer."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from dprouter.core.errors import Failed, UpstreamBroke
+from dprouter.core.headers import PREFILL_HEADER
+from dprouter.core.types import Incoming, Side
+from dprouter.engines import dialects
+from dprouter.fleet.targets import Outstanding, Target
+from dprouter.proxy.abort import Aborter
+from dprouter.proxy.metrics import RouterMetrics
+from dprouter.proxy.read import ClientRequest
+from dprouter.proxy.relay import relay
+from dprouter.proxy.retry import Rules
+
+
+@dataclass
+class Call:
+    """One client request on its way through a P/D flow."""
+
+    request: web.Request
+    client: ClientRequest
+    started: float
+    rules: Rules
+    aborter: Aborter  # SGLang: a client that leaves aborts its request on the engines
+    # per attempt: would a failure of this side be tried again elsewhere?
+    last_chance: dict[Side, bool] = field(default_factory=dict)
+    # per attempt, several serving processes: each leg counted in the step of the decision
+    claimed: dict[Side, Outstanding] = field(default_factory=dict)
+    # the decode leg's count, whose output budget its stream spends
+    decoding: Outstanding | None = None
+
+    @property
+    def incoming(self) -> Incoming:
+        return self.client.incoming
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.client.incoming.body
+
+    @property
+    def metrics(self) -> RouterMetrics:
+        return self.rules.metrics
+
+    def count(self, side: Side, target: Target) -> Outstanding:
+        """What counts this leg on its target while it runs: the count claimed with the
+        decision if there is one, else one that counts on entering."""
+        found = self.claimed.get(side)
+        if found is not None and found.target is target:
+            del self.claimed[side]
+        else:
+            output = self.incoming.output if side == "decode" else 0
+            found = Outstanding(target, self.incoming.tokens, output)
+        if side == "decode":
+            self.decoding = found
+        return found
+
+    def release(self) -> None:
+        """The attempt is over: a leg claimed with the decision that never ran is
+        counted no more."""
+        for counted in self.claimed.values():
+            counted.__exit__()
+        self.claimed.clear()
+
+    async def send(
+        self,
+        side: Side,
+        target: Target,
+        body: dict[str, Any],
+        headers: dict[str, str] | None = None,
+    ) -> aiohttp.ClientResponse:
+        """Post one leg with the target's rank in its dialect, under the attempt rules:
+        ``Failed`` when it is to be tried elsewhere, else the answer, whatever its status."""
+        sent, payload = self.client.headers.copy(), dict(body)
+        sent.update(headers or {})
+        if side == "prefill":  # its answer is read here, as JSON: not compressed
+            sent["Accept-Encoding"] = "identity"
+        dialects.write_rank(target.worker.dialect or "vllm", target.rank, sent, payload)
+        path = self.request.path_qs
+        resp = await self.rules.post(target, path, orjson.dumps(payload), sent, side)
+        try:
+            self.rules.judge(target, resp, self.last_chance.get(side, True))
+        except Failed as failure:
+            failure.side = side
+            raise
+        return resp
+
+    async def drain(self, target: Target, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole answer of a prefill leg."""
+        try:
+            async with resp:
+                return await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise Failed(target, "broken_body", f"answer broke off: {exc}", "prefill") from exc
+
+    async def prefill_answer(self, target: Target, resp: aiohttp.ClientResponse) -> Any:
+        """The whole answer of a prefill leg, as JSON."""
+        raw = await self.drain(target, resp)
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise Failed(target, "broken_body", f"answer unreadable: {exc}", "prefill") from exc
+
+    async def finish(
+        self, target: Target, upstream: aiohttp.ClientResponse, prefill: Target
+    ) -> web.StreamResponse:
+        """Relay the answer of the decode leg (or of a prefill leg that answers the client
+        itself) to the client."""
+        try:
+            return await relay(
+                self.request,
+                upstream,
+                target,
+                self.metrics.series(target),
+                self.started,
+                self.decoding if self.decoding and self.decoding.target is target else None,
+                extra={PREFILL_HEADER: prefill.label},
+            )
+        except UpstreamBroke as exc:
+            side: Side = "prefill" if target is prefill else "decode"
+            raise Failed(target, "broken_body", str(exc), side) from exc
+
+
+async def cancel(task: asyncio.Task[Any]) -> None:
+    """Stop a leg that is no longer wanted, closing its connection."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is None:
+        result = task.result()
+        if isinstance(result, aiohttp.ClientResponse):
+            result.close()

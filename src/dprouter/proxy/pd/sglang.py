@@ -1,0 +1,24 @@
+"""SGLang: the same body to prefill and decode at once, meeting on a bootstrap room."""
+
+from __future__ import annotations
+
+import random
+
+from aiohttp import web
+
+from dprouter.engines import pd_wire
+from dprouter.fleet.targets import Target
+from dprouter.proxy.abort import ensure_rid
+from dprouter.proxy.pd.call import Call
+from dprouter.proxy.pd.concurrent import run_both
+
+
+async def run(
+    call: Call, prefill: Target, decode: Target, rng: random.Random
+) -> web.StreamResponse:
+    body = dict(call.body)
+    rid, _ = ensure_rid(body)  # both legs carry it: a client that leaves aborts both
+    room = pd_wire.sglang_rooms(body, prefill, rng)
+    prefill_body, decode_body = pd_wire.sglang_bodies(body, prefill, decode, room)
+    with call.aborter.on_cancel(prefill.worker, rid), call.aborter.on_cancel(decode.worker, rid):
+        return await run_both(call, prefill, decode, prefill_body, decode_body, {})

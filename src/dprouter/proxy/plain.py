@@ -1,0 +1,212 @@
+"""The request path: read, pick a target, write its rank, forward, relay the answer.
+
+Read as a sequence of steps in ``Proxy.handle``; what a failed attempt leads to is
+stated once, in ``attempts``, for this path and the P/D one alike. The target's
+outstanding count is held for exactly as long as its attempt runs, client
+disconnects included, and a disconnect closes the upstream connection so the
+engine stops generating (an SGLang engine is also told to abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import orjson
+from aiohttp import web
+
+from dprouter.config import RouterConfig
+from dprouter.core.errors import Failed, UpstreamBroke, error
+from dprouter.core.types import DialectName, Incoming, Kind
+from dprouter.engines import dialects
+from dprouter.engines.kvevents.lookup import Lookup
+from dprouter.fleet.board_lock import Turn
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Outstanding, Target
+from dprouter.policies import Policy, RequestInfo
+from dprouter.proxy.abort import Aborter, ensure_rid
+from dprouter.proxy.metrics import RouterMetrics
+from dprouter.proxy.output_budget import learn
+from dprouter.proxy.read import ClientRequest, read_request
+from dprouter.proxy.relay import relay
+from dprouter.proxy.retry import Attempts, Rules
+from dprouter.proxy.routing_keys import Places
+from dprouter.proxy.upload import Upload, several_models
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: Registry,
+        policy: Policy,
+        metrics: RouterMetrics,
+        rules: Rules,
+        placer: Places | None = None,
+        turn: Turn | None = None,
+    ) -> None:
+        self.placer = placer  # several processes or replicas: manual's keys are placed once
+        self.turn = turn  # several serving processes: one decision at a time
+        self.config = config
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.rules = rules
+        self.aborter = Aborter(rules.session)  # SGLang: a client that leaves aborts its request
+        self.lookup: Lookup | None = None  # a policy that needs tokens: what targets hold
+
+    async def handle(
+        self, request: web.Request, kind: Kind, dialect: DialectName | None = None
+    ) -> web.StreamResponse:
+        """``dialect``: only workers of that dialect serve this path (None: any)."""
+        if kind == "generate":
+            dialect = "sglang"  # SGLang's own
+        started = asyncio.get_running_loop().time()
+        several = kind == "audio" and several_models(self.registry.snapshot, dialect)
+        client = await read_request(request, kind, self.config, self.metrics, several)
+        if isinstance(client, web.Response):
+            return client
+        self.rules.output.apply(client.incoming)  # counted by its likely output, not its cap
+        pool = self.pool(request.path, client.incoming, client.pinned, dialect)
+        if isinstance(pool, web.Response):
+            return pool
+        return await self.forward(request, client, kind, pool, started)
+
+    async def forward(
+        self,
+        request: web.Request,
+        client: ClientRequest,
+        kind: Kind,
+        pool: Sequence[Target],
+        started: float,
+        watch: Callable[[bytes], None] | None = None,
+    ) -> web.StreamResponse:
+        """Pick a target of ``pool`` by the policy, write its rank, forward, retry; a
+        stream's bytes pass ``watch`` on their way to the client."""
+        incoming = client.incoming
+        info = RequestInfo(
+            key=incoming.key,
+            text=incoming.text,
+            tokens=incoming.tokens,
+            now=started,
+            pool=(kind == "generate", incoming.model, client.pinned),
+        )
+        found = None
+        if self.lookup is not None:
+            found = await self.lookup.find(kind, incoming, pool, started)
+            if found is not None:
+                info = replace(info, prefix=found.prefix)
+        attempts = self.rules.start()
+        while candidates := attempts.candidates(pool):
+            if attempts.tried:
+                await attempts.pause()
+                info = replace(info, attempt=len(attempts.tried))
+            elif self.placer is not None and info.key is not None:
+                await self.placer.place(candidates, info)
+            if self.turn is None:
+                target = self.policy.select(candidates, info)
+                counted = Outstanding(target, incoming.tokens, incoming.output)
+            else:
+                with self.turn:  # the pick and its count, in one step for all processes
+                    target = self.policy.select(candidates, info)
+                    counted = Outstanding(target, incoming.tokens, incoming.output).claim()
+            if found is not None and self.lookup is not None:
+                self.lookup.sent(found, target, started)  # its blocks are pending there
+            try:
+                with counted:  # counted on every exit, a claimed one too
+                    return await self._attempt(
+                        request, client, counted, attempts, candidates, started, watch
+                    )
+            except Failed as failure:
+                if client.upload is not None and client.upload.begun:  # its bytes are gone
+                    return broke(client.upload, failure, attempts, self.metrics)
+                attempts.failed(failure)
+        return attempts.give_up()
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        client: ClientRequest,
+        counted: Outstanding,
+        attempts: Attempts,
+        candidates: Sequence[Target],
+        started: float,
+        watch: Callable[[bytes], None] | None,
+    ) -> web.StreamResponse:
+        incoming, target = client.incoming, counted.target
+        dialect = target.worker.dialect or "vllm"
+        # each attempt writes its own rank (vLLM's in a header, SGLang's in the body)
+        sent = client.headers.copy()
+        body = dict(incoming.body) if dialect == "sglang" else incoming.body
+        rid, named = ensure_rid(body) if dialect == "sglang" and not client.form else (None, False)
+        if client.form:  # a form is not re-encoded: the rank goes in a header, for both
+            dialects.write_rank_header(target.rank, sent)
+            data: bytes | Upload = client.raw if client.upload is None else client.upload
+        elif dialects.write_rank(dialect, target.rank, sent, body) or client.changed or named:
+            data = orjson.dumps(body)
+        else:
+            data = client.raw  # untouched: forward the client's bytes as they came
+        with self.aborter.on_cancel(target.worker, rid):
+            upstream = await self.rules.post(target, request.path_qs, data, sent)
+            # an upload the engine began taking cannot go elsewhere: its answer stands
+            spent = client.upload is not None and client.upload.begun
+            self.rules.judge(target, upstream, spent or attempts.last_chance(candidates))
+            try:
+                series = self.metrics.series(target)
+                answer = await relay(request, upstream, target, series, started, counted, watch)
+            except UpstreamBroke as exc:
+                raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
+            attempts.answered(answer, target)
+            learn(self.rules.output, answer, counted, incoming.model)
+            return answer
+
+    def pool(
+        self, path: str, incoming: Incoming, pinned: int | None, dialect: DialectName | None
+    ) -> Sequence[Target] | web.Response:
+        snapshot = self.registry.snapshot
+        pool = snapshot.pool("regular", incoming.model, dialect)
+        if pool and pinned is not None:
+            # a rankless target (DP-aware off) passes the client's rank to its engine
+            pool = tuple(t for t in pool if t.rank is None or t.rank == pinned)
+            if not pool:
+                return error(400, f"no target has dp_rank {pinned}")
+        if pool:
+            return pool
+        if incoming.model is not None and snapshot.pool("regular", None, dialect):
+            self.metrics.rejected.labels("unknown_model").inc()
+            message = f"The model `{incoming.model}` does not exist."
+            return error(404, message, "model")
+        return no_pool(self.registry, self.metrics, dialect, path)
+
+
+def broke(
+    upload: Upload, failure: Failed[Target], attempts: Attempts, metrics: RouterMetrics
+) -> web.Response:
+    """The answer to an upload whose attempt failed after the engine began taking it.
+    Past ``--max-body``, or the client gone, is not the engine's fault: no breaker counts it."""
+    if upload.too_large:
+        metrics.rejected.labels("too_large").inc()
+        return error(413, f"request body exceeds {upload.limit} bytes")
+    if upload.client_gone:  # nobody reads this answer; said for the log's sake
+        return error(400, "the client stopped sending the upload before its end")
+    attempts.failed(failure)
+    metrics.rejected.labels("upstream_failed").inc()
+    return error(502, f"the upload broke off after the engine began taking it: {failure}")
+
+
+DIALECT_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
+def no_pool(
+    registry: Registry, metrics: RouterMetrics, dialect: DialectName | None, path: str
+) -> web.Response:
+    """The answer when no target can take a request: 404 when no worker of the path's
+    dialect is even configured (none ever will be), else 503."""
+    metrics.rejected.labels("no_target").inc()
+    if dialect is None:
+        return error(503, "no ready worker to route to")
+    name = DIALECT_NAMES[dialect]
+    if all(w.dialect not in (dialect, None) for w in registry.workers.values()):
+        return error(404, f"no {name} worker is configured: {path} is {name}'s own endpoint")
+    return error(503, f"no ready {name} worker for {path} to route to")

@@ -1,0 +1,153 @@
+"""Requests that take no rank and no load count: the tokenizer and info endpoints go to
+any ready worker serving the model, least busy first; fan-out goes to every worker.
+
+A tokenizer call costs an engine next to nothing and never reaches a rank, so it is
+left out of the in-flight counts that balance generation. Failures follow the same
+rules as every attempt (``attempts``): another worker is tried before the client hears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from dprouter.config import RouterConfig
+from dprouter.core.errors import Failed, UpstreamBroke, error
+from dprouter.core.headers import TARGET_HEADER
+from dprouter.core.types import DialectName, Kind
+from dprouter.engines import dialects
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Target, Worker
+from dprouter.proxy.metrics import RouterMetrics
+from dprouter.proxy.plain import no_pool
+from dprouter.proxy.read import forwarded, read_request
+from dprouter.proxy.relay import relay
+from dprouter.proxy.retry import Rules
+
+FAN_TIMEOUT = aiohttp.ClientTimeout(total=30.0)  # a fan-out call that hangs is reported
+
+
+class Unranked:
+    def __init__(
+        self, config: RouterConfig, registry: Registry, metrics: RouterMetrics, rules: Rules
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self.rules = rules
+
+    async def anyone(
+        self, request: web.Request, kind: Kind | None, dialect: DialectName | None
+    ) -> web.StreamResponse:
+        """Forward to the least busy ready worker serving the body's model; no rank."""
+        started = asyncio.get_running_loop().time()
+        model, data, headers = None, b"", forwarded(request, self.config)
+        if kind is not None:
+            client = await read_request(request, kind, self.config, self.metrics)
+            if isinstance(client, web.Response):
+                return client
+            model, headers = client.incoming.model, client.headers
+            data = orjson.dumps(client.incoming.body) if client.changed else client.raw
+        snapshot = self.registry.snapshot
+        pool = snapshot.pool("regular", model, dialect)
+        if not pool:
+            if model is not None and snapshot.pool("regular", None, dialect):
+                self.metrics.rejected.labels("unknown_model").inc()
+                return error(404, f"The model `{model}` does not exist.", "model")
+            return no_pool(self.registry, self.metrics, dialect, request.path)
+        firsts: dict[Worker, Target] = {}
+        for t in pool:
+            firsts.setdefault(t.worker, t)
+        order = sorted(firsts.values(), key=lambda t: t.worker.outstanding)
+        attempts = self.rules.start()
+        while candidates := attempts.candidates(order):
+            if attempts.tried:
+                await attempts.pause()
+            try:
+                target = candidates[0]  # no rank written: named by its worker alone
+                label = target.worker.id
+                return await self.one(request, target, data, headers, started, candidates, label)
+            except Failed as failure:
+                attempts.failed(failure)
+        return attempts.give_up()
+
+    async def one(
+        self,
+        request: web.Request,
+        target: Target,
+        data: bytes,
+        headers: CIMultiDict[str],
+        started: float,
+        candidates: Sequence[Target] = (),
+        label: str | None = None,
+    ) -> web.StreamResponse:
+        """One attempt on ``target``, the request's method and path as they came; with no
+        other candidate the engine's answer, whatever it is, goes to the client."""
+        method = request.method
+        upstream = await self.rules.post(target, request.path_qs, data, headers, method=method)
+        self.rules.judge(target, upstream, len(candidates) <= 1)
+        try:
+            series = self.metrics.series(target)
+            extra = None if label is None else {TARGET_HEADER: label}
+            answer = await relay(request, upstream, target, series, started, extra=extra)
+        except UpstreamBroke as exc:
+            raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
+        if answer.status < 500:
+            self.rules.breakers.succeeded(target)
+        return answer
+
+    async def pinned(
+        self, request: web.Request, target: Target, data: bytes = b""
+    ) -> web.StreamResponse:
+        """Forward to this one target (its rank written in its dialect): nowhere else
+        would do. A failure is the client's to hear."""
+        started = asyncio.get_running_loop().time()
+        headers = forwarded(request, self.config)
+        dialects.strip_client_rank(headers, {})
+        if target.worker.dialect != "sglang":  # SGLang's rank is a body field; a GET has none
+            dialects.write_rank("vllm", target.rank, headers, {})
+        try:
+            return await self.one(request, target, data, headers, started)
+        except Failed as failure:
+            self.rules.start().failed(failure)
+            status = 503 if failure.cause == "connect" else 502
+            return error(status, f"{failure}")
+
+    async def fan(
+        self,
+        request: web.Request,
+        path: Callable[[Worker], str | None],
+        method: str = "GET",
+        workers: Sequence[Worker] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Call every ready worker (``path`` None: skip it); one row per worker."""
+        chosen = list(self.registry.snapshot.workers if workers is None else workers)
+        calls = [(w, p) for w in chosen if (p := path(w)) is not None]
+        headers = forwarded(request, self.config)
+        rows = await asyncio.gather(*(self._call(w, p, method, headers) for w, p in calls))
+        return list(rows)
+
+    async def _call(
+        self, worker: Worker, path: str, method: str, headers: CIMultiDict[str]
+    ) -> dict[str, Any]:
+        row: dict[str, Any] = {"worker": worker.id, "url": worker.url, "path": path}
+        try:
+            async with self.rules.session.request(
+                method, worker.url + path, headers=headers, timeout=FAN_TIMEOUT
+            ) as r:
+                raw = await r.read()
+                row["status"] = r.status
+                try:
+                    row["body"] = orjson.loads(raw) if raw else None
+                except orjson.JSONDecodeError:
+                    row["body"] = raw.decode(errors="replace")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            row["status"] = None
+            row["error"] = f"{type(exc).__name__} {exc}".strip()
+        return row

@@ -1,0 +1,118 @@
+"""Handlers of the engine surface beyond generation, one per routing of the endpoint
+table (``endpoints.ENDPOINTS``): by the policy, to any worker, to the stored response's
+target, or to every worker."""
+
+from __future__ import annotations
+
+from functools import partial
+from importlib.metadata import version
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from dprouter.core.errors import error
+from dprouter.fleet.targets import Worker
+from dprouter.multiproc.follower import SharedKept
+from dprouter.proxy.plain import Proxy, no_pool
+from dprouter.proxy.rankless import Unranked
+from dprouter.proxy.response_ids import Kept
+from dprouter.proxy.responses import Stored
+from dprouter.server.admin import denied
+from dprouter.server.routes import guarded
+
+if TYPE_CHECKING:
+    from dprouter.server.parts import Parts
+
+from dprouter.server.endpoints import ENDPOINTS, Endpoint
+
+
+class Surface:
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        # response ids: this process's, and the control plane's under --processes N
+        self.kept = Kept() if parts.control is None else SharedKept(parts.control)
+        self._unranked: Unranked | None = None
+        self._stored: Stored | None = None
+
+    def routes(self) -> list[web.RouteDef]:
+        handlers = {
+            "policy": self.by_policy,
+            "any": self.anyone,
+            "stored": self.stored,
+            "each": self.each,
+            "admin": self.each,
+        }
+        routes = [web.route(e.method, e.path, partial(handlers[e.routing], e)) for e in ENDPOINTS]
+        return [*routes, web.get("/version", self.version)]
+
+    def _proxy(self) -> Proxy | web.Response:
+        proxy = self.parts.proxy
+        if not isinstance(proxy, Proxy):  # a P/D router pairs generation only
+            return error(404, "a P/D router serves completions, chat and /generate only")
+        return proxy
+
+    @property
+    def unranked(self) -> Unranked:
+        if self._unranked is None:
+            proxy = self.parts.proxy
+            assert proxy is not None
+            p = self.parts
+            self._unranked = Unranked(p.config, p.registry, p.metrics, proxy.rules)
+        return self._unranked
+
+    async def by_policy(self, endpoint: Endpoint, request: web.Request) -> web.StreamResponse:
+        proxy = self._proxy()
+        if isinstance(proxy, web.Response):
+            return proxy
+        assert endpoint.kind is not None
+        call = partial(proxy.handle, request, endpoint.kind, endpoint.dialect)
+        return await guarded(self.parts, request, call)
+
+    async def anyone(self, endpoint: Endpoint, request: web.Request) -> web.StreamResponse:
+        call = partial(self.unranked.anyone, request, endpoint.kind, endpoint.dialect)
+        return await guarded(self.parts, request, call)
+
+    async def stored(self, endpoint: Endpoint, request: web.Request) -> web.StreamResponse:
+        proxy = self._proxy()
+        if isinstance(proxy, web.Response):
+            return proxy
+        if self._stored is None:
+            p = self.parts
+            self._stored = Stored(p.config, p.registry, p.metrics, proxy, self.unranked, self.kept)
+        flow = self._stored.create if endpoint.kind is not None else self._stored.follow
+        return await guarded(self.parts, request, partial(flow, request))
+
+    async def each(self, endpoint: Endpoint, request: web.Request) -> web.Response:
+        if endpoint.routing == "admin" and (refused := self.denied(request)) is not None:
+            return refused
+        workers: list[Worker] | None = None
+        named = request.query.get("worker")
+        if named is not None:
+            worker = self.parts.registry.workers.get(named)
+            if worker is None:
+                return error(404, f"no worker {named!r}", "worker")
+            workers = [worker]
+
+        def path(w: Worker) -> str | None:
+            return endpoint.path if w.dialect in endpoint.engines else None
+
+        rows = await self.unranked.fan(request, path, endpoint.method, workers)
+        if not rows:
+            return no_pool(self.parts.registry, self.parts.metrics, endpoint.dialect, endpoint.path)
+        ok = all(r["status"] is not None and r["status"] < 300 for r in rows)
+        return web.json_response({"workers": rows}, status=200 if ok else 502)
+
+    async def version(self, request: web.Request) -> web.Response:
+        """The router's version, and each ready worker's (SGLang tells it in server_info)."""
+
+        def path(w: Worker) -> str:
+            return "/server_info" if w.dialect == "sglang" else "/version"
+
+        rows = await self.unranked.fan(request, path)
+        for row in rows:
+            body = row.pop("body", None)
+            row["version"] = body.get("version") if isinstance(body, dict) else None
+        return web.json_response({"version": version("dprouter"), "workers": rows})
+
+    def denied(self, request: web.Request) -> web.Response | None:
+        return denied(self.parts.config.admin_token, request)
