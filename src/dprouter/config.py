@@ -20,10 +20,11 @@ from urllib.parse import urlsplit
 
 from dprouter.core.errors import ConfigError
 from dprouter.core.types import PD_MODES, DpAware, PdMode, Role
+from dprouter.fleet.breakers import BreakerOptions
 from dprouter.fleet.membership import Source
 from dprouter.fleet.membership.labels import Selector, parse_selector
 from dprouter.fleet.membership.pods import PodRules
-from dprouter.fleet.monitor import Monitor
+from dprouter.fleet.monitor import Monitor, MonitorOptions
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.worker_spec import (
     WorkerSpec,
@@ -141,6 +142,20 @@ class RouterConfig:
             model, sep, directory = text.rpartition("=")
             found[model if sep else None] = Path(directory)
         return found
+
+    def monitor_options(self) -> MonitorOptions:
+        load_interval = validate(self).load_interval  # its default depends on --discovery
+        assert load_interval is not None
+        return MonitorOptions(
+            scrape_interval=load_interval,
+            health_interval=self.health_interval,
+            health_failures=self.health_failures,
+            health_successes=self.health_successes,
+            health_timeout=self.health_timeout,
+        )
+
+    def breaker_options(self) -> BreakerOptions:
+        return BreakerOptions(self.breaker_failures, self.breaker_cooldown)
 
     def check_new_worker(self, spec: WorkerSpec) -> WorkerSpec:
         """A worker joining the running router (the admin API, etcd), checked against its

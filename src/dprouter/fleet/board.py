@@ -17,13 +17,13 @@ One process keeps the board in a private buffer. ``--processes N`` puts it in
 shared memory (made by the parent before the children start) with, besides
 the whole-router rows, one row per serving process of what that process has
 in flight -- so that the parent can release what a killed process held. Then
-every write takes the ``Turn`` (a semaphore shared by the processes), so a
+every write takes the ``BoardLock`` (a semaphore shared by the processes), so a
 request counted in one process is seen by the next decision in any process.
 
 Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
 ``inflight[slots]``, ``tokens[slots]``, ``reported[slots]``, ``load[slots]``,
 ``base[slots]``, ``reported_tokens[slots]``, ``token_load[slots]``,
-``token_base[slots]``, then two cells: the row (+1) holding the turn, 0 if none;
+``token_base[slots]``, then two cells: the row (+1) holding the lock, 0 if none;
 the routing keys ``manual`` moved off overloaded targets (one writer: the
 process that owns the key table); then ``MODELS`` pairs of cells for the typical
 output lengths (``estimate``): a model's key, its typical length in thousandths.
@@ -32,13 +32,25 @@ output lengths (``estimate``): a model's key, its typical length in thousandths.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from types import TracebackType
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from dprouter.fleet.board_lock import Turn
+
+class Lock(Protocol):
+    """What every write takes under ``--processes`` (``board_lock.BoardLock``); ``held``:
+    this process holds it already (a decision counting its pick)."""
+
+    held: bool
+
+    def __enter__(self) -> None: ...
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
 
 SLOTS = 1 << 15  # targets + workers a router can hold (4,096 ranks is 1/8 of it)
 I64 = npt.NDArray[np.int64]
@@ -57,10 +69,10 @@ class Board:
         row: int = 0,
         slots: int = SLOTS,
         buffer: memoryview | bytearray | None = None,
-        turn: Turn | None = None,
+        lock: Lock | None = None,
     ) -> None:
         self.rows, self.row, self.slots = rows, row, slots
-        self.turn = turn  # shared: every write takes it (the writer may hold it already)
+        self.lock = lock  # shared: every write takes it (the writer may hold it already)
         size = size_of(rows, slots)
         raw = memoryview(buffer if buffer is not None else bytearray(size))
         self._view = raw[:size]
@@ -91,8 +103,8 @@ class Board:
         self.reported_tokens_base = 2 * own + 5 * slots
         self.token_load_base = 2 * own + 6 * slots
         self.token_base_base = 2 * own + 7 * slots
-        self.turn_cell = 2 * own + ROWS * slots
-        self.moves_cell = self.turn_cell + 1
+        self.lock_cell = 2 * own + ROWS * slots
+        self.moves_cell = self.lock_cell + 1
         self.models_base = self.moves_cell + 1  # MODELS x (key, typical x 1000)
         # the rows policies read, one cell per slot (an itemgetter over slots reads many)
         self.load_cells = self.cells[self.load_base : self.load_base + slots]
@@ -137,10 +149,10 @@ class Board:
     # -- writing --------------------------------------------------------------------
 
     def step(self) -> AbstractContextManager[object]:
-        """A write of several cells in one step for all processes: the turn, unless there is
+        """A write of several cells in one step for all processes: the lock, unless there is
         none (one process) or this process holds it already (a decision's count)."""
-        turn = self.turn
-        return turn if turn is not None and not turn.held else nullcontext()
+        lock = self.lock
+        return lock if lock is not None and not lock.held else nullcontext()
 
     def moved(self) -> None:
         """A routing key left an overloaded target."""
@@ -149,11 +161,11 @@ class Board:
     def add(self, slot: int, requests: int, tokens: int, also: int = -1) -> None:
         """Count ``requests`` and ``tokens`` on ``slot`` (and on ``also``: a target's
         worker, in the same step). ``step`` written out: this runs twice per request."""
-        turn = self.turn
-        if turn is None or turn.held:
+        lock = self.lock
+        if lock is None or lock.held:
             self._add(slot, requests, tokens, also)
         else:
-            with turn:
+            with lock:
                 self._add(slot, requests, tokens, also)
 
     def _add(self, slot: int, requests: int, tokens: int, also: int) -> None:

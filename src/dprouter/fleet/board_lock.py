@@ -1,4 +1,4 @@
-"""One decision at a time across serving processes.
+"""The board's lock across serving processes: one decision at a time.
 
 A decision is a read followed by a write: two processes picking at the same
 microsecond would both see the same idle rank and both take it. Picking and
@@ -6,7 +6,7 @@ counting the pick are one step under a semaphore shared by the serving
 processes and the parent (held for the policy's few microseconds, never
 across an await); every other write to the board takes it too, which keeps
 the board's whole-router rows exact. The board records who holds it, so that
-the parent can hand the turn back if a process is killed while holding it.
+the parent can hand the lock back if a process is killed while holding it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Protocol
 from dprouter.fleet.board import Board
 
 log = logging.getLogger("dprouter")
-PATIENCE = 0.5  # seconds to wait for the turn before deciding without it (and saying so)
+PATIENCE = 0.5  # seconds to wait for the lock before deciding without it (and saying so)
 
 
 class Semaphore(Protocol):
@@ -26,8 +26,8 @@ class Semaphore(Protocol):
     def release(self) -> None: ...
 
 
-class Turn:
-    """``holder``: how the board names this process while it holds the turn (a serving
+class BoardLock:
+    """``holder``: how the board names this process while it holds the lock (a serving
     process: its row + 1; the parent: one more than the rows)."""
 
     def __init__(self, semaphore: Semaphore, board: Board, holder: int) -> None:
@@ -39,23 +39,23 @@ class Turn:
     def __enter__(self) -> None:
         self.held = self.semaphore.acquire(True, PATIENCE)
         if self.held:
-            self.board.cells[self.board.turn_cell] = self.holder
-        else:  # the parent hands a dead holder's turn back; this is a last resort
-            log.error("no decision turn within %g s: deciding without it", PATIENCE)
+            self.board.cells[self.board.lock_cell] = self.holder
+        else:  # the parent hands a dead holder's lock back; this is a last resort
+            log.error("no board lock within %g s: deciding without it", PATIENCE)
 
     def __exit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self.held:
             self.held = False
-            self.board.cells[self.board.turn_cell] = 0
+            self.board.cells[self.board.lock_cell] = 0
             self.semaphore.release()
 
 
 def hand_back(semaphore: Semaphore, board: Board, row: int) -> bool:
-    """The process of ``row`` died: if it held the turn, release it for the others."""
-    if board.cells[board.turn_cell] != row + 1:
+    """The process of ``row`` died: if it held the lock, release it for the others."""
+    if board.cells[board.lock_cell] != row + 1:
         return False
-    board.cells[board.turn_cell] = 0
+    board.cells[board.lock_cell] = 0
     semaphore.release()
     return True

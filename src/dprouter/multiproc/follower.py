@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,14 +25,16 @@ from aiohttp import web
 
 from dprouter.core.errors import error
 from dprouter.core.types import Role
-from dprouter.fleet.breakers import Breakers
+from dprouter.fleet.breakers import BreakerOptions, Breakers
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target, Worker
 from dprouter.multiproc.control import WORKER_FIELDS
 from dprouter.policies import RequestInfo
+from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy.response_ids import Kept
+from dprouter.proxy.routing_keys import Places
 
 log = logging.getLogger("dprouter.follower")
 BASE = "http://control"  # the host is ignored: the connector dials the Unix socket
@@ -281,3 +284,47 @@ class SharedKept(Kept):
             return None
         self.put(rid, label)
         return label
+
+
+class ControlLink:
+    """A serving process's side of the control plane, as the router it serves takes it
+    (``server.parts.Control``)."""
+
+    def __init__(self, channel: Channel, follower: Follower, processes: int) -> None:
+        self.channel = channel
+        self.follower = follower
+        self.processes = processes
+
+    def breakers(self, options: BreakerOptions) -> Breakers:
+        breakers = SharedBreakers(self.follower)
+        breakers.options = options
+        return breakers
+
+    def admin_routes(self) -> list[web.RouteDef]:
+        return AdminRelay(self.channel).routes()
+
+    def response_ids(self) -> Kept:
+        return SharedKept(self.channel)
+
+    def placer(self, policy: Manual, role: Role) -> Places:
+        return Placer(self.channel, policy, role)
+
+    def share_prefixes(self, policy: CacheAware) -> None:
+        """Each ``cache_aware`` knows where all the serving processes sent what."""
+        row, channel = self.follower.row, self.channel
+
+        def tell(target: Target, blocks: list[int]) -> None:
+            channel.send({"kind": "seen", "row": row, "slot": target.slot, "blocks": blocks})
+
+        policy.tell = tell
+        self.follower.on_seen = policy.learn
+
+    async def held(self) -> tuple[int, float]:
+        """Routing keys held, and when the router started: the parent holds the keys'
+        table and outlives any serving process (0 and now when it cannot say)."""
+        try:
+            async with self.channel.session.get(BASE + "/control/dashboard") as r:
+                said = orjson.loads(await r.read())
+            return int(said["sessions"]), float(said["started"])
+        except (aiohttp.ClientError, KeyError, orjson.JSONDecodeError):
+            return 0, time.time()

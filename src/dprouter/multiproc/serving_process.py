@@ -1,7 +1,7 @@
-"""One serving process of ``--processes N`` (started by ``processes.Supervisor``).
+"""One serving process of ``--processes N`` (started by ``supervisor.Supervisor``).
 
-Nothing heavy is imported before ``main`` runs: prometheus_client must be put in
-multiprocess mode before the router's metrics exist.
+``main`` puts prometheus_client in multiprocess mode before the router's metrics exist
+(each metric takes its value class when it is made, so importing it first is no harm).
 """
 
 from __future__ import annotations
@@ -10,14 +10,32 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dprouter.fleet.board import Board
-    from dprouter.multiproc.supervisor import Seat
+from dprouter.config import RouterConfig
+from dprouter.core import gc_tuning
+from dprouter.fleet.board import Board
+from dprouter.fleet.board_lock import BoardLock, Semaphore
+from dprouter.fleet.registry import Registry
+from dprouter.multiproc.follower import Channel, ControlLink, Follower
+from dprouter.server.app import Router
 
 log = logging.getLogger("dprouter")
+
+
+@dataclass(frozen=True)
+class Seat:
+    """What a serving process is given: its row on the board and where the rest is."""
+
+    config: RouterConfig
+    row: int
+    rows: int
+    board: str  # the shared memory's name
+    control: str  # the control plane's Unix socket
+    metrics: str  # prometheus_client's multiprocess directory
+    log_level: int
+    lock: Semaphore  # the board lock's: one decision at a time (``board_lock``)
 
 
 def main(seat: Seat) -> None:
@@ -38,27 +56,21 @@ def main(seat: Seat) -> None:
 
 
 async def serve(seat: Seat, memory: SharedMemory) -> Board:
-    from dprouter.core import gc_tuning
-    from dprouter.fleet.board import Board
-    from dprouter.fleet.board_lock import Turn
-    from dprouter.fleet.registry import Registry
-    from dprouter.multiproc.follower import Channel, Follower
-    from dprouter.server.app import Router
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     board = Board(rows=seat.rows, row=seat.row, buffer=memory.buf)
-    board.turn = Turn(seat.turn, board, holder=seat.row + 1)
+    board.lock = BoardLock(seat.lock, board, holder=seat.row + 1)
     registry = Registry(dp_aware=seat.config.dp_aware != "off", board=board)
     channel = Channel(seat.control)
+    follower = Follower(registry, channel, seat.row)
     router = Router(
         seat.config,
         registry=registry,
-        monitor=Follower(registry, channel, seat.row),
-        control=channel,
+        monitor=follower,
+        control=ControlLink(channel, follower, seat.rows),
         metrics_dir=seat.metrics,
-        turn=board.turn,
+        lock=board.lock,
     )
     try:
         await router.start()

@@ -21,7 +21,7 @@ import shutil
 import signal
 import socket
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
 
@@ -30,29 +30,16 @@ from prometheus_client.multiprocess import mark_process_dead
 from dprouter.config import RouterConfig, validate
 from dprouter.core.net import bind, url_of
 from dprouter.fleet.board import Board, size_of
-from dprouter.fleet.board_lock import Semaphore, Turn, hand_back
+from dprouter.fleet.board_lock import BoardLock, hand_back
 from dprouter.fleet.breakers import Breakers
 from dprouter.fleet.membership import read_within
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry, worker_from_spec
+from dprouter.multiproc.serving_process import Seat, main
 
 log = logging.getLogger("dprouter")
 SPAWN = multiprocessing.get_context("spawn")  # never fork a process with a running loop
 START_TIMEOUT = 60.0  # seconds for every serving process to listen
-
-
-@dataclass(frozen=True)
-class Seat:
-    """What a serving process is given: its row on the board and where the rest is."""
-
-    config: RouterConfig
-    row: int
-    rows: int
-    board: str  # the shared memory's name
-    control: str  # the control plane's Unix socket
-    metrics: str  # prometheus_client's multiprocess directory
-    log_level: int
-    turn: Semaphore  # one decision at a time (see ``turn``)
 
 
 class Supervisor:
@@ -60,19 +47,18 @@ class Supervisor:
 
     def __init__(self, config: RouterConfig) -> None:
         from dprouter.multiproc.control import ControlPlane
-        from dprouter.server.app import breaker_options, monitor_options
 
         self.config = config = validate(config)
         self.rows = config.process_count
         self._memory = SharedMemory(create=True, size=size_of(self.rows))
         self.board = Board(rows=self.rows, buffer=self._memory.buf)
-        self.turn = SPAWN.Semaphore(1)
-        self.board.turn = Turn(self.turn, self.board, holder=self.rows + 1)
+        self.semaphore = SPAWN.Semaphore(1)  # the board lock's, shared by every process
+        self.board.lock = BoardLock(self.semaphore, self.board, holder=self.rows + 1)
         self.registry = Registry(dp_aware=config.dp_aware != "off", board=self.board)
         for spec in config.workers:
             self.registry.add(worker_from_spec(spec, self.registry))
-        self.monitor = Monitor(self.registry, monitor_options(config))
-        self.breakers = Breakers(self.registry, breaker_options(config))
+        self.monitor = Monitor(self.registry, config.monitor_options())
+        self.breakers = Breakers(self.registry, config.breaker_options())
         self.control = ControlPlane(config, self.registry, self.monitor, self.breakers)
         self._dir = tempfile.mkdtemp(prefix="dprouter-")
         self.port = config.port
@@ -121,9 +107,8 @@ class Supervisor:
             control=os.path.join(self._dir, "control.sock"),
             metrics=os.path.join(self._dir, "metrics"),
             log_level=logging.getLogger().level,
-            turn=self.turn,
+            lock=self.semaphore,
         )
-        from dprouter.multiproc.serving_process import main
 
         child = SPAWN.Process(target=main, args=(seat,), name=f"dprouter-{row}", daemon=False)
         # one string hash seed for all serving processes, chosen per run: str hashes and set
@@ -148,8 +133,8 @@ class Supervisor:
         loop.remove_reader(child.sentinel)
         child.join(0)
         self.control.listening.discard(row)
-        if hand_back(self.turn, self.board, row):
-            log.warning("serving process %d died holding the turn: handed back", row)
+        if hand_back(self.semaphore, self.board, row):
+            log.warning("serving process %d died holding the board lock: handed back", row)
         self.board.release(row)  # its requests are in flight no more
         if child.pid is not None:  # its livemax gauges (loop lag) count no more
             mark_process_dead(child.pid, os.path.join(self._dir, "metrics"))  # type: ignore[no-untyped-call]

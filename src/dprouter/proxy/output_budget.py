@@ -49,7 +49,7 @@ def completion_tokens(body: bytes) -> int | None:
 class OutputEstimate:
     """Typical output lengths, by model (None: requests that name none). On a ``board``,
     the averages are the board's (under ``--processes``, shared memory: every serving
-    process updates and reads the one average of a model, in the decision's turn), so all
+    process updates and reads the one average of a model, under the board lock), so all
     count a request alike; a model whose cell another holds is averaged here alone.
     ``learned`` False (``--output-budget cap``): a request is counted by its cap as sent,
     for clients whose ``max_tokens`` is the length they expect."""

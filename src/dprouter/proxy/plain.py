@@ -21,7 +21,7 @@ from dprouter.core.errors import Failed, UpstreamBroke, error
 from dprouter.core.types import DialectName, Incoming, Kind
 from dprouter.engines import dialects
 from dprouter.engines.kvevents.lookup import Lookup
-from dprouter.fleet.board_lock import Turn
+from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.policies import Policy, RequestInfo
@@ -44,10 +44,10 @@ class Proxy:
         metrics: RouterMetrics,
         rules: Rules,
         placer: Places | None = None,
-        turn: Turn | None = None,
+        lock: BoardLock | None = None,
     ) -> None:
         self.placer = placer  # several processes or replicas: manual's keys are placed once
-        self.turn = turn  # several serving processes: one decision at a time
+        self.lock = lock  # several serving processes: one decision at a time
         self.config = config
         self.registry = registry
         self.policy = policy
@@ -104,11 +104,11 @@ class Proxy:
                 info = replace(info, attempt=len(attempts.tried))
             elif self.placer is not None and info.key is not None:
                 await self.placer.place(candidates, info)
-            if self.turn is None:
+            if self.lock is None:
                 target = self.policy.select(candidates, info)
                 counted = Outstanding(target, incoming.tokens, incoming.output)
             else:
-                with self.turn:  # the pick and its count, in one step for all processes
+                with self.lock:  # the pick and its count, in one step for all processes
                     target = self.policy.select(candidates, info)
                     counted = Outstanding(target, incoming.tokens, incoming.output).claim()
             if found is not None and self.lookup is not None:

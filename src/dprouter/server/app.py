@@ -24,14 +24,12 @@ from dprouter.engines.kvevents.feed import Feed
 from dprouter.engines.kvevents.index import KvIndex
 from dprouter.engines.kvevents.lookup import Lookup
 from dprouter.engines.kvevents.metrics import KvCollector
-from dprouter.fleet.board_lock import Turn
-from dprouter.fleet.breakers import BreakerOptions, Breakers
+from dprouter.fleet.board_lock import BoardLock
+from dprouter.fleet.breakers import Breakers
 from dprouter.fleet.membership import read_within
 from dprouter.fleet.membership.moriio import Registration
-from dprouter.fleet.monitor import Monitor, MonitorOptions
+from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry, worker_from_spec
-from dprouter.fleet.targets import Target
-from dprouter.multiproc.follower import Channel, Follower, Placer, SharedBreakers
 from dprouter.policies import Policy, make_policy, needs_tokens
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
@@ -43,7 +41,7 @@ from dprouter.proxy.routing_keys import Places, claims
 from dprouter.proxy.upstream import upstream_session
 from dprouter.server.admission import Admission, AdmissionOptions
 from dprouter.server.engine_routes import Surface
-from dprouter.server.parts import PARTS, Parts
+from dprouter.server.parts import PARTS, Control, Parts
 from dprouter.server.routes import Handlers
 
 log = logging.getLogger("dprouter")
@@ -58,13 +56,13 @@ def build_app(
     registry: Registry | None = None,
     policy: Policy | None = None,
     monitor: Monitor | None = None,
-    control: Channel | None = None,
+    control: Control | None = None,
     metrics_dir: str | None = None,
-    turn: Turn | None = None,
+    lock: BoardLock | None = None,
 ) -> web.Application:
     """The router's routes. ``control`` makes it one serving process of several: the
-    parent's control plane (``control``) then runs discovery, breakers and admin, and
-    ``monitor`` must be that process's ``Follower``."""
+    parent's control plane then runs discovery, breakers and admin, and ``monitor`` must
+    be the one that follows it."""
     config = validate(config)
     if registry is None:
         registry = Registry(dp_aware=config.dp_aware != "off")
@@ -74,23 +72,22 @@ def build_app(
         config=config,
         registry=registry,
         policy=policy or make_policy(config.policy_name, config.policy_options()),
-        monitor=monitor or Monitor(registry, monitor_options(config)),
+        monitor=monitor or Monitor(registry, config.monitor_options()),
         metrics=RouterMetrics(registry, metrics_dir),
-        breakers=Breakers(registry, breaker_options(config)),
+        breakers=Breakers(registry, config.breaker_options()),
         admission=Admission(
             AdmissionOptions(config.max_concurrent, config.queue_size, config.queue_timeout)
         ),
         control=control,
-        turn=turn,
+        lock=lock,
     )
     if needs_tokens(parts.policy):
         parts.lookup, parts.feed = prefix_parts(config, registry)
         parts.metrics.add(KvCollector(parts.feed))
     if control is None:
         parts.sources = sources(config, registry, parts.monitor)
-    if control is not None and isinstance(parts.monitor, Follower):
-        parts.breakers = SharedBreakers(parts.monitor)
-        parts.breakers.options = breaker_options(config)
+    else:
+        parts.breakers = control.breakers(config.breaker_options())
     parts.lag.on_tick = parts.metrics.loop_lag.set
     app = web.Application(client_max_size=config.max_body, middlewares=[_last_resort])
     app[PARTS] = parts
@@ -116,33 +113,6 @@ def prefix_parts(config: RouterConfig, registry: Registry) -> tuple[Lookup, Feed
         pool.shutdown()
         raise ConfigError(f"cannot load a tokenizer: {exc}") from None
     return Lookup(tokens, index, pool), Feed(registry, index)
-
-
-def share_prefixes(follower: Follower, policy: CacheAware) -> None:
-    """Several serving processes: each ``cache_aware`` knows where all of them sent what."""
-    row, channel = follower.row, follower.channel
-
-    def tell(target: Target, blocks: list[int]) -> None:
-        channel.send({"kind": "seen", "row": row, "slot": target.slot, "blocks": blocks})
-
-    policy.tell = tell
-    follower.on_seen = policy.learn
-
-
-def monitor_options(config: RouterConfig) -> MonitorOptions:
-    config = validate(config)  # resolves the load interval's default
-    assert config.load_interval is not None
-    return MonitorOptions(
-        scrape_interval=config.load_interval,
-        health_interval=config.health_interval,
-        health_failures=config.health_failures,
-        health_successes=config.health_successes,
-        health_timeout=config.health_timeout,
-    )
-
-
-def breaker_options(config: RouterConfig) -> BreakerOptions:
-    return BreakerOptions(config.breaker_failures, config.breaker_cooldown)
 
 
 @web.middleware
@@ -200,7 +170,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             if not isinstance(policy, Manual):
                 continue
             if parts.control is not None:
-                placers[side] = Placer(parts.control, policy, side)
+                placers[side] = parts.control.placer(policy, side)
             elif (claimed := claims(parts.sources, policy, side)) is not None:
                 placers[side] = claimed
             if side in placers:
@@ -213,20 +183,20 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.metrics,
             rules,
             placers,
-            parts.turn,
+            parts.lock,
         )
     else:
         placer: Places | None = None
         if parts.control is not None and isinstance(parts.policy, Manual):
-            placer = Placer(parts.control, parts.policy)
+            placer = parts.control.placer(parts.policy, "regular")
         elif isinstance(parts.policy, Manual):
             placer = claims(parts.sources, parts.policy)
         if placer is not None and isinstance(parts.policy, Manual):
             parts.policy.bound = 0  # the table's owner (the parent, etcd's claim) moves keys
-        if isinstance(parts.monitor, Follower) and isinstance(parts.policy, CacheAware):
-            share_prefixes(parts.monitor, parts.policy)
+        if parts.control is not None and isinstance(parts.policy, CacheAware):
+            parts.control.share_prefixes(parts.policy)
         parts.proxy = Proxy(
-            config, parts.registry, parts.policy, parts.metrics, rules, placer, parts.turn
+            config, parts.registry, parts.policy, parts.metrics, rules, placer, parts.lock
         )
         parts.proxy.lookup = parts.lookup
     if parts.feed is not None:
@@ -260,9 +230,9 @@ class Router:
         registry: Registry | None = None,
         policy: Policy | None = None,
         monitor: Monitor | None = None,
-        control: Channel | None = None,
+        control: Control | None = None,
         metrics_dir: str | None = None,
-        turn: Turn | None = None,
+        lock: BoardLock | None = None,
     ) -> None:
         self.app = build_app(
             config,
@@ -271,7 +241,7 @@ class Router:
             monitor=monitor,
             control=control,
             metrics_dir=metrics_dir,
-            turn=turn,
+            lock=lock,
         )
         self.parts = self.app[PARTS]
         self.config = self.parts.config

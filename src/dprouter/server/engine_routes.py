@@ -6,31 +6,26 @@ from __future__ import annotations
 
 from functools import partial
 from importlib.metadata import version
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from dprouter.core.errors import error
 from dprouter.fleet.targets import Worker
-from dprouter.multiproc.follower import SharedKept
 from dprouter.proxy.plain import Proxy, no_pool
 from dprouter.proxy.rankless import Unranked
 from dprouter.proxy.response_ids import Kept
 from dprouter.proxy.responses import Stored
 from dprouter.server.admin import denied
-from dprouter.server.routes import guarded
-
-if TYPE_CHECKING:
-    from dprouter.server.parts import Parts
-
 from dprouter.server.endpoints import ENDPOINTS, Endpoint
+from dprouter.server.parts import Parts
+from dprouter.server.routes import guarded
 
 
 class Surface:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
         # response ids: this process's, and the control plane's under --processes N
-        self.kept = Kept() if parts.control is None else SharedKept(parts.control)
+        self.kept = Kept() if parts.control is None else parts.control.response_ids()
         self._unranked: Unranked | None = None
         self._stored: Stored | None = None
 

@@ -4,26 +4,63 @@ handler: no globals, so two routers can run side by side in one process."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from aiohttp import web
 
 from dprouter.config import RouterConfig
+from dprouter.core.types import Role
 from dprouter.engines.kvevents.feed import Feed
 from dprouter.engines.kvevents.lookup import Lookup
-from dprouter.fleet.board_lock import Turn
-from dprouter.fleet.breakers import Breakers
+from dprouter.fleet.board_lock import BoardLock
+from dprouter.fleet.breakers import BreakerOptions, Breakers
 from dprouter.fleet.membership import Source
 from dprouter.fleet.membership.moriio import Registration
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry
-from dprouter.multiproc.follower import Channel
 from dprouter.policies import Policy
+from dprouter.policies.cache_aware import CacheAware
+from dprouter.policies.manual import Manual
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.pd.pair import PairProxy
 from dprouter.proxy.plain import Proxy
+from dprouter.proxy.response_ids import Kept
+from dprouter.proxy.routing_keys import Places
 from dprouter.server.admission import Admission
 from dprouter.server.drain import Drain
 from dprouter.server.loop_lag import LoopLag
+
+
+class Control(Protocol):
+    """What a serving process of ``--processes N`` shares with the others through the
+    parent's control plane, which runs discovery, breakers, the admin API and the routing
+    keys' table once for all of them (``multiproc/follower.py`` implements it)."""
+
+    processes: int  # serving processes in all
+
+    def breakers(self, options: BreakerOptions) -> Breakers:
+        """Breakers whose outcomes the parent decides on."""
+        ...
+
+    def admin_routes(self) -> list[web.RouteDef]:
+        """The admin API, as the parent runs it."""
+        ...
+
+    def response_ids(self) -> Kept:
+        """Stored responses' ids, known to every serving process."""
+        ...
+
+    def placer(self, policy: Manual, role: Role) -> Places:
+        """Where a new routing key goes: the parent's table decides, once."""
+        ...
+
+    def share_prefixes(self, policy: CacheAware) -> None:
+        """``cache_aware`` learns what the other processes sent where."""
+        ...
+
+    async def held(self) -> tuple[int, float]:
+        """For the dashboard: routing keys held, and when the router started."""
+        ...
 
 
 @dataclass
@@ -39,8 +76,8 @@ class Parts:
     proxy: Proxy | PairProxy | None = None  # made at start-up, with the upstream session
     registration: Registration | None = None  # MoRIIO instances register here
     sources: list[Source] = field(default_factory=list)  # of workers: etcd (not --processes)
-    control: Channel | None = None  # a serving process of --processes N: the parent's link
-    turn: Turn | None = None  # ...and its decisions, one at a time with the others'
+    control: Control | None = None  # a serving process of --processes N: the parent's link
+    lock: BoardLock | None = None  # ...and its decisions, one at a time with the others'
     lag: LoopLag = field(default_factory=LoopLag)  # the event loop's, for /metrics
     lookup: Lookup | None = None  # a policy that needs tokens: the prompt against the index
     feed: Feed | None = None  # ...and the engines' KV events that build it

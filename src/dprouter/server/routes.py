@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dprouter.core.errors import error, grace_over
 from dprouter.core.types import Kind, Role
-from dprouter.multiproc.follower import AdminRelay
 from dprouter.proxy.relay import STREAMING
 from dprouter.server.admin import Admin
 from dprouter.server.openapi import describe
-
-if TYPE_CHECKING:
-    from dprouter.server.parts import Parts
-
+from dprouter.server.parts import Parts
 
 STOPPING = {"Retry-After": "1"}  # and Connection: close (see closing)
 Call = Callable[[], Awaitable[web.StreamResponse]]
@@ -86,7 +81,7 @@ class Handlers:
             web.get("/metrics", self.metrics),
             web.get("/openapi.json", self.openapi),
             *(
-                AdminRelay(p.control).routes()
+                p.control.admin_routes()
                 if p.control is not None
                 else Admin(p.config, p.registry, p.monitor, p.sources).routes()
             ),

@@ -21,7 +21,7 @@ from aiohttp import web
 from dprouter.config import RouterConfig
 from dprouter.core.errors import Failed, error
 from dprouter.core.types import Kind, Role, Side
-from dprouter.fleet.board_lock import Turn
+from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.policies import Policy, RequestInfo
@@ -48,10 +48,10 @@ class PairProxy:
         metrics: RouterMetrics,
         rules: Rules,
         placers: Mapping[Side, Places] | None = None,
-        turn: Turn | None = None,
+        lock: BoardLock | None = None,
     ) -> None:
         self.placers = placers or {}  # several serving processes: manual's keys placed once
-        self.turn = turn  # several serving processes: one decision at a time
+        self.lock = lock  # several serving processes: one decision at a time
         self.config = config
         self.registry = registry
         self.pairing = Pairing(prefill_policy, decode_policy)
@@ -99,10 +99,10 @@ class PairProxy:
                 for side, candidates in legs:
                     if placer := self.placers.get(side):
                         await placer.place(candidates, replace(info, pool=(side, incoming.model)))
-            if self.turn is None:
+            if self.lock is None:
                 prefill, decode = self.pairing.choose(prefills, decodes, info, incoming.model)
             else:
-                with self.turn:  # the pair and both counts, in one step for all processes
+                with self.lock:  # the pair and both counts, in one step for all processes
                     prefill, decode = self.pairing.choose(prefills, decodes, info, incoming.model)
                     tokens = incoming.tokens
                     call.claimed = {

@@ -14,21 +14,16 @@ import hmac
 import time
 from collections.abc import AsyncIterator
 from importlib import metadata, resources
-from typing import TYPE_CHECKING
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from dprouter.core.errors import error
-from dprouter.multiproc.follower import BASE
 from dprouter.policies.manual import Manual
 from dprouter.server.admin import bearer
 from dprouter.server.dashboard.data import RouterInfo, build
 from dprouter.server.dashboard.window import Window, read
-
-if TYPE_CHECKING:
-    from dprouter.server.parts import Parts
+from dprouter.server.parts import Parts
 
 # the page loads only what the router serves, runs no inline script and posts nowhere
 POLICY = (
@@ -117,7 +112,7 @@ class Dashboard:
         info = RouterInfo(
             version=self.version,
             uptime=time.time() - started,
-            processes=self.parts.registry.board.rows if self.parts.control else 1,
+            processes=self.parts.control.processes if self.parts.control else 1,
             policy=config.policy_name,
             pd=config.pd,
             discovery=discovery_source(config.discovery, config.pd),
@@ -128,18 +123,11 @@ class Dashboard:
         return web.Response(body=body, content_type="application/json", headers=headers)
 
     async def _held(self) -> tuple[int, float]:
-        """Routing keys held, and when the router started: under --processes the parent
-        holds the keys' table and outlives any serving process."""
-        channel = self.parts.control
-        if channel is None:
-            policy = self.parts.policy
-            return (len(policy.sticky) if isinstance(policy, Manual) else 0), self.started
-        try:
-            async with channel.session.get(BASE + "/control/dashboard") as r:
-                said = orjson.loads(await r.read())
-            return int(said["sessions"]), float(said["started"])
-        except (aiohttp.ClientError, KeyError, orjson.JSONDecodeError):
-            return 0, self.started
+        """Routing keys held, and when the router started."""
+        if self.parts.control is not None:
+            return await self.parts.control.held()
+        policy = self.parts.policy
+        return (len(policy.sticky) if isinstance(policy, Manual) else 0), self.started
 
 
 def discovery_source(discovery: str | None, pd: str | None) -> str:
