@@ -37,6 +37,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports  # the layers import downward only (pyproject.toml)
 
 clean:
 	rm -rf $(VENV)
