@@ -540,3 +540,29 @@ async def test_a_trusted_clients_ranks_pick_the_pair(
         async with http.post(untrusted.url + "/v1/completions", json=body) as r:
             pairs.append((r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]))
     assert {p for p, _ in pairs} == {"p0/0", "p0/1", "p0/2", "p0/3"}
+
+
+@pytest.mark.parametrize("mode", ["sglang", "vllm-nixl"])
+async def test_a_trusted_rank_on_single_rank_workers_is_served_as_on_the_plain_path(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    mode: PdMode,
+) -> None:
+    """One pool rule for every path: a worker with one rank has a target with no rank,
+    which serves whatever rank a trusted client pins (its engine has only that one).
+    The P/D path had its own copy of the rule and answered 400 where the plain one
+    passed."""
+    dep = await deploy(start_cluster, start_router, mode, (1, 1), (1, 1), trust_client_rank=True)
+    body = {**PROMPT, "routed_dp_rank": 0, "disagg_prefill_dp_rank": 0}
+    async with http.post(dep.router.url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        assert (r.headers["x-dprouter-prefill"], r.headers["x-dprouter-target"]) == ("p0", "d0")
+    assert (len(dep.prefills[0].received), len(dep.decodes[0].received)) == (1, 1)
+    (plain,) = (await start_cluster([EngineConfig(persona=dep.decodes[0].config.persona)])).servers
+    router = await start_router(
+        RouterConfig(workers=(WorkerSpec(plain.url),), trust_client_rank=True)
+    )
+    async with http.post(router.url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        assert r.headers["x-dprouter-target"] == "w0"

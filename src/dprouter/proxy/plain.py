@@ -18,7 +18,7 @@ from aiohttp import web
 
 from dprouter.config import RouterConfig
 from dprouter.core.errors import Failed, UpstreamBroke, error
-from dprouter.core.types import DialectName, Incoming, Kind
+from dprouter.core.types import DialectName, Kind
 from dprouter.engines import dialects
 from dprouter.engines.kvevents.lookup import Lookup
 from dprouter.fleet.board_lock import BoardLock
@@ -28,6 +28,7 @@ from dprouter.policies import Policy, RequestInfo
 from dprouter.proxy.abort import Aborter, ensure_rid
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.output_budget import learn
+from dprouter.proxy.pools import choose_pools
 from dprouter.proxy.read import ClientRequest, read_request
 from dprouter.proxy.relay import relay
 from dprouter.proxy.retry import Attempts, Rules
@@ -68,10 +69,18 @@ class Proxy:
         if isinstance(client, web.Response):
             return client
         self.rules.output.apply(client.incoming)  # counted by its likely output, not its cap
-        pool = self.pool(request.path, client.incoming, client.pinned, dialect)
-        if isinstance(pool, web.Response):
-            return pool
-        return await self.forward(request, client, kind, pool, started)
+        pools = choose_pools(
+            self.registry,
+            self.metrics,
+            ("regular",),
+            client.incoming.model,
+            request.path,
+            dialect,
+            {"regular": client.pinned},
+        )
+        if isinstance(pools, web.Response):
+            return pools
+        return await self.forward(request, client, kind, pools[0], started)
 
     async def forward(
         self,
@@ -161,24 +170,6 @@ class Proxy:
             learn(self.rules.output, answer, counted, incoming.model)
             return answer
 
-    def pool(
-        self, path: str, incoming: Incoming, pinned: int | None, dialect: DialectName | None
-    ) -> Sequence[Target] | web.Response:
-        snapshot = self.registry.snapshot
-        pool = snapshot.pool("regular", incoming.model, dialect)
-        if pool and pinned is not None:
-            # a rankless target (DP-aware off) passes the client's rank to its engine
-            pool = tuple(t for t in pool if t.rank is None or t.rank == pinned)
-            if not pool:
-                return error(400, f"no target has dp_rank {pinned}")
-        if pool:
-            return pool
-        if incoming.model is not None and snapshot.pool("regular", None, dialect):
-            self.metrics.rejected.labels("unknown_model").inc()
-            message = f"The model `{incoming.model}` does not exist."
-            return error(404, message, "model")
-        return no_pool(self.registry, self.metrics, dialect, path)
-
 
 def broke(
     upload: Upload, failure: Failed[Target], attempts: Attempts, metrics: RouterMetrics
@@ -193,20 +184,3 @@ def broke(
     attempts.failed(failure)
     metrics.rejected.labels("upstream_failed").inc()
     return error(502, f"the upload broke off after the engine began taking it: {failure}")
-
-
-DIALECT_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-
-
-def no_pool(
-    registry: Registry, metrics: RouterMetrics, dialect: DialectName | None, path: str
-) -> web.Response:
-    """The answer when no target can take a request: 404 when no worker of the path's
-    dialect is even configured (none ever will be), else 503."""
-    metrics.rejected.labels("no_target").inc()
-    if dialect is None:
-        return error(503, "no ready worker to route to")
-    name = DIALECT_NAMES[dialect]
-    if all(w.dialect not in (dialect, None) for w in registry.workers.values()):
-        return error(404, f"no {name} worker is configured: {path} is {name}'s own endpoint")
-    return error(503, f"no ready {name} worker for {path} to route to")

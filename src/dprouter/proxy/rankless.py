@@ -25,7 +25,7 @@ from dprouter.engines import dialects
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target, Worker
 from dprouter.proxy.metrics import RouterMetrics
-from dprouter.proxy.plain import no_pool
+from dprouter.proxy.pools import choose_pools
 from dprouter.proxy.read import forwarded, read_request
 from dprouter.proxy.relay import relay
 from dprouter.proxy.retry import Rules
@@ -54,15 +54,13 @@ class Unranked:
                 return client
             model, headers = client.incoming.model, client.headers
             data = orjson.dumps(client.incoming.body) if client.changed else client.raw
-        snapshot = self.registry.snapshot
-        pool = snapshot.pool("regular", model, dialect)
-        if not pool:
-            if model is not None and snapshot.pool("regular", None, dialect):
-                self.metrics.rejected.labels("unknown_model").inc()
-                return error(404, f"The model `{model}` does not exist.", "model")
-            return no_pool(self.registry, self.metrics, dialect, request.path)
+        pools = choose_pools(
+            self.registry, self.metrics, ("regular",), model, request.path, dialect
+        )
+        if isinstance(pools, web.Response):
+            return pools
         firsts: dict[Worker, Target] = {}
-        for t in pool:
+        for t in pools[0]:
             firsts.setdefault(t.worker, t)
         order = sorted(firsts.values(), key=lambda t: t.worker.outstanding)
         attempts = self.rules.start()

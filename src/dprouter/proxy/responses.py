@@ -27,6 +27,7 @@ from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.plain import Proxy
+from dprouter.proxy.pools import choose_pools
 from dprouter.proxy.rankless import Unranked
 from dprouter.proxy.read import read_request
 from dprouter.proxy.relay import STREAMING
@@ -109,10 +110,17 @@ class Stored:
                 return found
             pool: Sequence[Target] = (found,)
         else:
-            chosen = self.proxy.pool(request.path, incoming, client.pinned, None)
+            chosen = choose_pools(
+                self.registry,
+                self.metrics,
+                ("regular",),
+                incoming.model,
+                request.path,
+                pinned={"regular": client.pinned},
+            )
             if isinstance(chosen, web.Response):
                 return chosen
-            pool = chosen
+            pool = chosen[0]
         learn = Learn(request, self.kept) if incoming.stream else None
         answer = await self.proxy.forward(request, client, "responses", pool, started, learn)
         if learn is None and isinstance(answer, web.Response) and answer.status == 200:

@@ -11,7 +11,8 @@ from aiohttp import web
 
 from dprouter.core.errors import error
 from dprouter.fleet.targets import Worker
-from dprouter.proxy.plain import Proxy, no_pool
+from dprouter.proxy.plain import Proxy
+from dprouter.proxy.pools import no_pool
 from dprouter.proxy.rankless import Unranked
 from dprouter.proxy.response_ids import Kept
 from dprouter.proxy.responses import Stored

@@ -31,7 +31,8 @@ from dprouter.proxy.output_budget import learn
 from dprouter.proxy.pd import moriio, nixl, sglang
 from dprouter.proxy.pd.call import Call
 from dprouter.proxy.pd.pairing import Pairing
-from dprouter.proxy.read import ClientRequest, read_request
+from dprouter.proxy.pools import choose_pools
+from dprouter.proxy.read import read_request
 from dprouter.proxy.retry import Rules
 from dprouter.proxy.routing_keys import Places
 
@@ -73,7 +74,15 @@ class PairProxy:
             return client
         if kind == "generate" and self.config.pd != "sglang":
             return error(404, f"/generate is SGLang's own; this router runs {self.config.pd}")
-        pools = self._pools(client)
+        pinned: dict[Role, int | None] = {"prefill": client.pinned_prefill, "decode": client.pinned}
+        pools = choose_pools(
+            self.registry,
+            self.metrics,
+            ("prefill", "decode"),
+            client.incoming.model,
+            request.path,
+            pinned=pinned,
+        )
         if isinstance(pools, web.Response):
             return pools
         incoming = client.incoming
@@ -126,30 +135,3 @@ class PairProxy:
                 learn(self.rules.output, answer, call.decoding, incoming.model)
             return answer
         return attempts.give_up("prefill/decode pair")
-
-    def _pools(
-        self, client: ClientRequest
-    ) -> tuple[Sequence[Target], Sequence[Target]] | web.Response:
-        snapshot = self.registry.snapshot
-        model = client.incoming.model
-        pinned: dict[Role, int | None] = {
-            "prefill": client.pinned_prefill,
-            "decode": client.pinned,
-        }
-        pools: list[Sequence[Target]] = []
-        for role in ("prefill", "decode"):
-            pool = snapshot.pool(role, model)
-            rank = pinned[role]
-            if pool and rank is not None:
-                pool = tuple(t for t in pool if t.rank == rank)
-                if not pool:
-                    return error(400, f"no {role} target has dp_rank {rank}")
-            pools.append(pool)
-        if pools[0] and pools[1]:
-            return pools[0], pools[1]
-        if model is not None and snapshot.pool("prefill") and snapshot.pool("decode"):
-            self.metrics.rejected.labels("unknown_model").inc()
-            return error(404, f"The model `{model}` does not exist.", "model")
-        self.metrics.rejected.labels("no_target").inc()
-        missing = "prefill" if not pools[0] else "decode"
-        return error(503, f"no ready {missing} worker to route to")

@@ -1,0 +1,79 @@
+"""Which targets may serve a request: the one pool rule, for plain, P/D and rankless
+requests alike.
+
+A request's pool, per role, is the snapshot's targets of that role serving its model
+(and the path's dialect, where only one engine kind serves the path). A rank a trusted
+client pinned keeps the targets of that rank and those with none: a target with no
+rank is a worker with one rank, or one whose engine places requests itself
+(``--dp-aware off``), and either serves the pinned rank as its engine does. When a
+role has no target left, the client hears why:
+
+- 400: no target has the pinned rank;
+- 404: the model is served by no worker, though others are ready (``unknown_model``);
+- 404: no worker of the path's dialect is even configured (none ever will be);
+- 503: no ready worker (yet) for the role or the path (``no_target``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from aiohttp import web
+
+from dprouter.core.errors import error
+from dprouter.core.types import DialectName, Role
+from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Target
+from dprouter.proxy.metrics import RouterMetrics
+
+DIALECT_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+Pools = tuple[Sequence[Target], ...]
+
+
+def choose_pools(
+    registry: Registry,
+    metrics: RouterMetrics,
+    roles: Sequence[Role],
+    model: str | None,
+    path: str,
+    dialect: DialectName | None = None,
+    pinned: Mapping[Role, int | None] | None = None,
+) -> Pools | web.Response:
+    """One pool per role, in the order of ``roles``, or the error to answer with."""
+    snapshot = registry.snapshot
+    pools: list[Sequence[Target]] = []
+    for role in roles:
+        pool: Sequence[Target] = snapshot.pool(role, model, dialect)
+        rank = pinned.get(role) if pinned else None
+        if pool and rank is not None:
+            pool = tuple(t for t in pool if t.rank is None or t.rank == rank)
+            if not pool:
+                name = "" if role == "regular" else f"{role} "
+                return error(400, f"no {name}target has dp_rank {rank}")
+        pools.append(pool)
+    if all(pools):
+        return tuple(pools)
+    if model is not None and all(snapshot.pool(role, None, dialect) for role in roles):
+        metrics.rejected.labels("unknown_model").inc()
+        return error(404, f"The model `{model}` does not exist.", "model")
+    missing = next(role for role, pool in zip(roles, pools, strict=True) if not pool)
+    return no_pool(registry, metrics, dialect, path, missing)
+
+
+def no_pool(
+    registry: Registry,
+    metrics: RouterMetrics,
+    dialect: DialectName | None,
+    path: str,
+    role: Role = "regular",
+) -> web.Response:
+    """The answer when no target can take a request: 404 when no worker of the path's
+    dialect is even configured (none ever will be), else 503."""
+    metrics.rejected.labels("no_target").inc()
+    if dialect is None:
+        what = "worker" if role == "regular" else f"{role} worker"
+        return error(503, f"no ready {what} to route to")
+    name = DIALECT_NAMES[dialect]
+    if all(w.dialect not in (dialect, None) for w in registry.workers.values()):
+        return error(404, f"no {name} worker is configured: {path} is {name}'s own endpoint")
+    return error(503, f"no ready {name} worker for {path} to route to")
