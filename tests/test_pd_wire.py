@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dprouter.core.types import Role
-from dprouter.engines import pd_wire
+from dprouter.engines import dialects, pd_wire
 from dprouter.fleet.targets import Target, Worker
 from dprouter.policies import RequestInfo, make_policy
 from dprouter.proxy.pd.pairing import Pairing
@@ -89,12 +89,18 @@ def test_sglang_room_agrees_with_follow_bootstrap_room(dp: int, rank: int | None
         assert 0 <= room < 1 << 63
         if rank is not None:
             assert room % dp == rank
-    pre, dec = pd_wire.sglang_bodies(CLIENT, p, d, room)
-    assert (pre["bootstrap_host"], pre["bootstrap_port"], pre["bootstrap_room"]) == (
-        "10.0.0.1",
-        8998,
-        room,
-    )
+    pre, dec = pd_wire.sglang_bodies(CLIENT, p, room)
+    for leg in (pre, dec):
+        assert (leg["bootstrap_host"], leg["bootstrap_port"], leg["bootstrap_room"]) == (
+            "10.0.0.1",
+            8998,
+            room,
+        )
+        assert not set(leg) & set(dialects.RANK_FIELDS)  # ranks are the dialect's to write
+    # as the SGLang flow then writes them, leg by leg
+    dialects.write_rank("sglang", p.rank, {}, pre)
+    dialects.write_rank("sglang", d.rank, {}, dec)
+    dialects.write_prefill_rank(p.rank, dec)
     assert dec["routed_dp_rank"] == dec["data_parallel_rank"] == 3
     if rank is not None:
         assert pre["routed_dp_rank"] == dec["disagg_prefill_dp_rank"] == rank

@@ -1,9 +1,11 @@
-"""How each engine kind wants to be told its rank. All wire differences live here.
+"""How each engine kind wants to be told its rank: the one place a rank is written.
 
 vLLM takes the header ``X-data-parallel-rank``; SGLang takes the body fields
-``routed_dp_rank`` and, for older engines, ``data_parallel_rank``. A target
-with no rank gets nothing. Whatever rank a client wrote is removed first,
-unless the router is told to trust clients.
+``routed_dp_rank`` and, for older engines, ``data_parallel_rank``, and in P/D the
+decode learns the prefill's rank from ``disagg_prefill_dp_rank``. A target with no
+rank gets nothing. Whatever rank a client wrote is removed first, unless the router
+is told to trust clients. (MoRIIO's ``kv_transfer_params`` carry the prefill rank as
+the connector's own data: ``pd_wire``.)
 """
 
 from __future__ import annotations
@@ -94,6 +96,12 @@ def write_rank(
     body["routed_dp_rank"] = rank
     body["data_parallel_rank"] = rank  # older SGLang engines read only this name
     return True
+
+
+def write_prefill_rank(rank: int | None, body: dict[str, Any]) -> None:
+    """SGLang P/D: tell the decode which prefill rank holds the KV it is to fetch."""
+    if rank is not None:
+        body["disagg_prefill_dp_rank"] = rank
 
 
 def write_rank_header(rank: int | None, headers: MutableMapping[str, str]) -> None:

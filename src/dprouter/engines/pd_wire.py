@@ -7,6 +7,8 @@ vLLM MoRIIO: both requests carry a ``transfer_id`` and each side's shape;
 block ids into the decode request, WRITE sends both at once.
 SGLang: the same body to both, with the prefill's bootstrap address and a room
 chosen so that ``room % prefill dp_size`` is the prefill rank.
+
+No rank is written here: that is the dialects' (``dialects``), leg by leg.
 """
 
 from __future__ import annotations
@@ -122,8 +124,10 @@ def sglang_rooms(body: dict[str, Any], prefill: Target, rng: random.Random) -> i
 
 
 def sglang_bodies(
-    body: dict[str, Any], prefill: Target, decode: Target, room: int | list[int]
+    body: dict[str, Any], prefill: Target, room: int | list[int]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The prefill's and the decode's bodies: the client's, with where they meet. Each leg's
+    rank, and the prefill rank the decode fetches from, are the dialect's to write."""
     host = URL(prefill.worker.url).host
     common = {
         **body,
@@ -131,10 +135,4 @@ def sglang_bodies(
         "bootstrap_port": prefill.worker.bootstrap_port,
         "bootstrap_room": room,
     }
-    p, d = dict(common), dict(common)
-    if prefill.rank is not None:
-        p["routed_dp_rank"] = p["data_parallel_rank"] = prefill.rank
-        d["disagg_prefill_dp_rank"] = prefill.rank
-    if decode.rank is not None:
-        d["routed_dp_rank"] = d["data_parallel_rank"] = decode.rank
-    return p, d
+    return dict(common), dict(common)

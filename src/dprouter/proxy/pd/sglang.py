@@ -6,7 +6,7 @@ import random
 
 from aiohttp import web
 
-from dprouter.engines import pd_wire
+from dprouter.engines import dialects, pd_wire
 from dprouter.fleet.targets import Target
 from dprouter.proxy.abort import ensure_rid
 from dprouter.proxy.pd.call import Call
@@ -19,6 +19,7 @@ async def run(
     body = dict(call.body)
     rid, _ = ensure_rid(body)  # both legs carry it: a client that leaves aborts both
     room = pd_wire.sglang_rooms(body, prefill, rng)
-    prefill_body, decode_body = pd_wire.sglang_bodies(body, prefill, decode, room)
+    prefill_body, decode_body = pd_wire.sglang_bodies(body, prefill, room)
+    dialects.write_prefill_rank(prefill.rank, decode_body)  # each leg's own: ``Call.send``
     with call.aborter.on_cancel(prefill.worker, rid), call.aborter.on_cancel(decode.worker, rid):
         return await run_both(call, prefill, decode, prefill_body, decode_body, {})
