@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from dprouter.config import RouterConfig
-from dprouter.proxy.response_ids import Kept
+from dprouter.proxy.response_ids import ResponseIds
 from dprouter.sim.config import EngineConfig, Persona
 from tests.conftest import StartCluster, StartRouter, workers
 
@@ -117,7 +117,7 @@ async def test_a_background_response_is_cancelled_on_its_own_worker(
 
 def test_the_id_map_is_bounded_and_forgets_idle_ids() -> None:
     now = [0.0]
-    kept = Kept(size=3, ttl=10.0, clock=lambda: now[0])
+    kept = ResponseIds(size=3, ttl=10.0, clock=lambda: now[0])
     for i in range(4):
         kept.put(f"r{i}", f"w{i}")
     assert kept.get("r0") is None  # the oldest went first

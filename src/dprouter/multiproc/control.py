@@ -28,7 +28,7 @@ from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target, Worker
 from dprouter.policies import RequestInfo
 from dprouter.policies.manual import Manual
-from dprouter.proxy.response_ids import Kept
+from dprouter.proxy.response_ids import ResponseIds
 from dprouter.proxy.routing_keys import Claims, claims
 from dprouter.server.admin import Admin
 
@@ -84,7 +84,7 @@ class ControlPlane:
         # manual's key tables live here (one per role), so a key sticks whichever process
         # serves it
         self.sessions: dict[str, Manual] = {}
-        self.responses = Kept()  # Responses API ids -> target labels, from every process
+        self.responses = ResponseIds()  # Responses API ids -> target labels, from every process
         self._claims: dict[str, Claims | None] = {}  # under etcd discovery, by role
         self.registration: Registration | None = None
         self.sources = sources(config, registry, monitor)  # of workers: etcd

@@ -33,7 +33,7 @@ from dprouter.multiproc.control import WORKER_FIELDS
 from dprouter.policies import RequestInfo
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
-from dprouter.proxy.response_ids import Kept
+from dprouter.proxy.response_ids import ResponseIds
 from dprouter.proxy.routing_keys import Places
 
 log = logging.getLogger("dprouter.follower")
@@ -254,7 +254,7 @@ class Placer:
                 self._asked = {k: v for k, v in self._asked.items() if k in self.policy.sticky}
 
 
-class SharedKept(Kept):
+class SharedResponseIds(ResponseIds):
     """Under ``--processes N``: the ids live in the control plane too, so a follow-up
     that lands on another serving process finds its target there."""
 
@@ -303,8 +303,8 @@ class ControlLink:
     def admin_routes(self) -> list[web.RouteDef]:
         return AdminRelay(self.channel).routes()
 
-    def response_ids(self) -> Kept:
-        return SharedKept(self.channel)
+    def response_ids(self) -> ResponseIds:
+        return SharedResponseIds(self.channel)
 
     def placer(self, policy: Manual, role: Role) -> Places:
         return Placer(self.channel, policy, role)

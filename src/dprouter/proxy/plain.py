@@ -1,7 +1,7 @@
 """The request path: read, pick a target, write its rank, forward, relay the answer.
 
 Read as a sequence of steps in ``Proxy.handle``; what a failed attempt leads to is
-stated once, in ``attempts``, for this path and the P/D one alike. The target's
+stated once, in ``retry``, for this path, the P/D one and the rankless one alike. The target's
 outstanding count is held for exactly as long as its attempt runs, client
 disconnects included, and a disconnect closes the upstream connection so the
 engine stops generating (an SGLang engine is also told to abort).
@@ -16,45 +16,39 @@ from dataclasses import replace
 import orjson
 from aiohttp import web
 
-from dprouter.config import RouterConfig
 from dprouter.core.errors import Failed, UpstreamBroke, error
-from dprouter.core.types import DialectName, Kind
+from dprouter.core.types import DialectName, Incoming, Kind
 from dprouter.engines import dialects
 from dprouter.engines.kvevents.lookup import Lookup
 from dprouter.fleet.board_lock import BoardLock
-from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.policies import Policy, RequestInfo
-from dprouter.proxy.abort import Aborter, ensure_rid
+from dprouter.proxy.abort import ensure_rid
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.output_budget import learn
-from dprouter.proxy.pools import choose_pools
+from dprouter.proxy.parts import ProxyParts
+from dprouter.proxy.pools import Pools, choose_pools
 from dprouter.proxy.read import ClientRequest, read_request
 from dprouter.proxy.relay import relay
-from dprouter.proxy.retry import Attempts, Rules
+from dprouter.proxy.retry import Attempts
 from dprouter.proxy.routing_keys import Places
 from dprouter.proxy.upload import Upload, several_models
 
 
 class Proxy:
+    """Plain requests: one target of the policy's choosing per attempt."""
+
     def __init__(
         self,
-        config: RouterConfig,
-        registry: Registry,
+        parts: ProxyParts,
         policy: Policy,
-        metrics: RouterMetrics,
-        rules: Rules,
         placer: Places | None = None,
         lock: BoardLock | None = None,
     ) -> None:
+        self.parts = parts
+        self.policy = policy
         self.placer = placer  # several processes or replicas: manual's keys are placed once
         self.lock = lock  # several serving processes: one decision at a time
-        self.config = config
-        self.registry = registry
-        self.policy = policy
-        self.metrics = metrics
-        self.rules = rules
-        self.aborter = Aborter(rules.session)  # SGLang: a client that leaves aborts its request
         self.lookup: Lookup | None = None  # a policy that needs tokens: what targets hold
 
     async def handle(
@@ -63,15 +57,16 @@ class Proxy:
         """``dialect``: only workers of that dialect serve this path (None: any)."""
         if kind == "generate":
             dialect = "sglang"  # SGLang's own
+        p = self.parts
         started = asyncio.get_running_loop().time()
-        several = kind == "audio" and several_models(self.registry.snapshot, dialect)
-        client = await read_request(request, kind, self.config, self.metrics, several)
+        several = kind == "audio" and several_models(p.registry.snapshot, dialect)
+        client = await read_request(request, kind, p.config, p.metrics, several)
         if isinstance(client, web.Response):
             return client
-        self.rules.output.apply(client.incoming)  # counted by its likely output, not its cap
+        p.output.apply(client.incoming)  # counted by its likely output, not its cap
         pools = choose_pools(
-            self.registry,
-            self.metrics,
+            p.registry,
+            p.metrics,
             ("regular",),
             client.incoming.model,
             request.path,
@@ -106,22 +101,19 @@ class Proxy:
             found = await self.lookup.find(kind, incoming, pool, started)
             if found is not None:
                 info = replace(info, prefix=found.prefix)
-        attempts = self.rules.start()
-        while candidates := attempts.candidates(pool):
+        attempts = self.parts.retry.start()
+
+        async def attempt(left: Pools) -> web.StreamResponse:
+            (candidates,) = left
             if attempts.tried:
-                await attempts.pause()
-                info = replace(info, attempt=len(attempts.tried))
-            elif self.placer is not None and info.key is not None:
-                await self.placer.place(candidates, info)
-            if self.lock is None:
-                target = self.policy.select(candidates, info)
-                counted = Outstanding(target, incoming.tokens, incoming.output)
+                chosen = replace(info, attempt=len(attempts.tried))
             else:
-                with self.lock:  # the pick and its count, in one step for all processes
-                    target = self.policy.select(candidates, info)
-                    counted = Outstanding(target, incoming.tokens, incoming.output).claim()
+                chosen = info
+                if self.placer is not None and info.key is not None:
+                    await self.placer.place(candidates, info)
+            counted = self._choose(candidates, chosen, incoming)
             if found is not None and self.lookup is not None:
-                self.lookup.sent(found, target, started)  # its blocks are pending there
+                self.lookup.sent(found, counted.target, started)  # its blocks are pending there
             try:
                 with counted:  # counted on every exit, a claimed one too
                     return await self._attempt(
@@ -129,9 +121,21 @@ class Proxy:
                     )
             except Failed as failure:
                 if client.upload is not None and client.upload.begun:  # its bytes are gone
-                    return broke(client.upload, failure, attempts, self.metrics)
-                attempts.failed(failure)
-        return attempts.give_up()
+                    return broke(client.upload, failure, attempts, self.parts.metrics)
+                raise
+
+        return await attempts.run((pool,), attempt)
+
+    def _choose(
+        self, candidates: Sequence[Target], info: RequestInfo, incoming: Incoming
+    ) -> Outstanding:
+        """The policy's pick, and what counts the request there while it runs."""
+        if self.lock is None:
+            target = self.policy.select(candidates, info)
+            return Outstanding(target, incoming.tokens, incoming.output)
+        with self.lock:  # the pick and its count, in one step for all processes
+            target = self.policy.select(candidates, info)
+            return Outstanding(target, incoming.tokens, incoming.output).claim()
 
     async def _attempt(
         self,
@@ -143,6 +147,7 @@ class Proxy:
         started: float,
         watch: Callable[[bytes], None] | None,
     ) -> web.StreamResponse:
+        p = self.parts
         incoming, target = client.incoming, counted.target
         dialect = target.worker.dialect or "vllm"
         # each attempt writes its own rank (vLLM's in a header, SGLang's in the body)
@@ -156,18 +161,18 @@ class Proxy:
             data = orjson.dumps(body)
         else:
             data = client.raw  # untouched: forward the client's bytes as they came
-        with self.aborter.on_cancel(target.worker, rid):
-            upstream = await self.rules.post(target, request.path_qs, data, sent)
+        with p.aborter.on_cancel(target.worker, rid):
+            upstream = await p.upstream.post(target, request.path_qs, data, sent)
             # an upload the engine began taking cannot go elsewhere: its answer stands
             spent = client.upload is not None and client.upload.begun
-            self.rules.judge(target, upstream, spent or attempts.last_chance(candidates))
+            p.retry.judge(target, upstream, spent or attempts.last_chance(candidates))
             try:
-                series = self.metrics.series(target)
+                series = p.metrics.series(target)
                 answer = await relay(request, upstream, target, series, started, counted, watch)
             except UpstreamBroke as exc:
                 raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
             attempts.answered(answer, target)
-            learn(self.rules.output, answer, counted, incoming.model)
+            learn(p.output, answer, counted, incoming.model)
             return answer
 
 

@@ -3,7 +3,7 @@ any ready worker serving the model, least busy first; fan-out goes to every work
 
 A tokenizer call costs an engine next to nothing and never reaches a rank, so it is
 left out of the in-flight counts that balance generation. Failures follow the same
-rules as every attempt (``attempts``): another worker is tried before the client hears.
+rules as every attempt (``retry``): another worker is tried before the client hears.
 """
 
 from __future__ import annotations
@@ -17,63 +17,58 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from dprouter.config import RouterConfig
 from dprouter.core.errors import Failed, UpstreamBroke, error
 from dprouter.core.headers import TARGET_HEADER
 from dprouter.core.types import DialectName, Kind
 from dprouter.engines import dialects
-from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target, Worker
-from dprouter.proxy.metrics import RouterMetrics
-from dprouter.proxy.pools import choose_pools
+from dprouter.proxy.parts import ProxyParts
+from dprouter.proxy.pools import Pools, choose_pools
 from dprouter.proxy.read import forwarded, read_request
 from dprouter.proxy.relay import relay
-from dprouter.proxy.retry import Rules
+from dprouter.proxy.retry import Attempts
 
 FAN_TIMEOUT = aiohttp.ClientTimeout(total=30.0)  # a fan-out call that hangs is reported
 
 
-class Unranked:
-    def __init__(
-        self, config: RouterConfig, registry: Registry, metrics: RouterMetrics, rules: Rules
-    ) -> None:
-        self.config = config
-        self.registry = registry
-        self.metrics = metrics
-        self.rules = rules
+class Rankless:
+    """Requests that name no rank: to any worker (``anyone``), to one target (``pinned``),
+    or to every worker (``fan``)."""
+
+    def __init__(self, parts: ProxyParts) -> None:
+        self.parts = parts
 
     async def anyone(
         self, request: web.Request, kind: Kind | None, dialect: DialectName | None
     ) -> web.StreamResponse:
         """Forward to the least busy ready worker serving the body's model; no rank."""
+        p = self.parts
         started = asyncio.get_running_loop().time()
-        model, data, headers = None, b"", forwarded(request, self.config)
+        model, data, headers = None, b"", forwarded(request, p.config)
         if kind is not None:
-            client = await read_request(request, kind, self.config, self.metrics)
+            client = await read_request(request, kind, p.config, p.metrics)
             if isinstance(client, web.Response):
                 return client
             model, headers = client.incoming.model, client.headers
             data = orjson.dumps(client.incoming.body) if client.changed else client.raw
-        pools = choose_pools(
-            self.registry, self.metrics, ("regular",), model, request.path, dialect
-        )
+        pools = choose_pools(p.registry, p.metrics, ("regular",), model, request.path, dialect)
         if isinstance(pools, web.Response):
             return pools
         firsts: dict[Worker, Target] = {}
         for t in pools[0]:
             firsts.setdefault(t.worker, t)
         order = sorted(firsts.values(), key=lambda t: t.worker.outstanding)
-        attempts = self.rules.start()
-        while candidates := attempts.candidates(order):
-            if attempts.tried:
-                await attempts.pause()
-            try:
-                target = candidates[0]  # no rank written: named by its worker alone
-                label = target.worker.id
-                return await self.one(request, target, data, headers, started, candidates, label)
-            except Failed as failure:
-                attempts.failed(failure)
-        return attempts.give_up()
+        attempts = p.retry.start()
+
+        async def attempt(left: Pools) -> web.StreamResponse:
+            (candidates,) = left
+            target = candidates[0]  # no rank written: named by its worker alone
+            last_chance = attempts.last_chance(candidates)
+            return await self.one(
+                request, target, data, headers, started, attempts, last_chance, target.worker.id
+            )
+
+        return await attempts.run((order,), attempt)
 
     async def one(
         self,
@@ -82,22 +77,23 @@ class Unranked:
         data: bytes,
         headers: CIMultiDict[str],
         started: float,
-        candidates: Sequence[Target] = (),
+        attempts: Attempts,
+        last_chance: bool,
         label: str | None = None,
     ) -> web.StreamResponse:
-        """One attempt on ``target``, the request's method and path as they came; with no
-        other candidate the engine's answer, whatever it is, goes to the client."""
+        """One attempt on ``target``, the request's method and path as they came; on the
+        last chance the engine's answer, whatever it is, goes to the client."""
+        p = self.parts
         method = request.method
-        upstream = await self.rules.post(target, request.path_qs, data, headers, method=method)
-        self.rules.judge(target, upstream, len(candidates) <= 1)
+        upstream = await p.upstream.post(target, request.path_qs, data, headers, method=method)
+        p.retry.judge(target, upstream, last_chance)
         try:
-            series = self.metrics.series(target)
+            series = p.metrics.series(target)
             extra = None if label is None else {TARGET_HEADER: label}
             answer = await relay(request, upstream, target, series, started, extra=extra)
         except UpstreamBroke as exc:
             raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
-        if answer.status < 500:
-            self.rules.breakers.succeeded(target)
+        attempts.answered(answer, target)
         return answer
 
     async def pinned(
@@ -106,14 +102,15 @@ class Unranked:
         """Forward to this one target (its rank written in its dialect): nowhere else
         would do. A failure is the client's to hear."""
         started = asyncio.get_running_loop().time()
-        headers = forwarded(request, self.config)
+        headers = forwarded(request, self.parts.config)
         dialects.strip_client_rank(headers, {})
         if target.worker.dialect != "sglang":  # SGLang's rank is a body field; a GET has none
             dialects.write_rank("vllm", target.rank, headers, {})
+        attempts = self.parts.retry.start()
         try:
-            return await self.one(request, target, data, headers, started)
+            return await self.one(request, target, data, headers, started, attempts, True)
         except Failed as failure:
-            self.rules.start().failed(failure)
+            attempts.failed(failure)
             status = 503 if failure.cause == "connect" else 502
             return error(status, f"{failure}")
 
@@ -125,9 +122,9 @@ class Unranked:
         workers: Sequence[Worker] | None = None,
     ) -> list[dict[str, Any]]:
         """Call every ready worker (``path`` None: skip it); one row per worker."""
-        chosen = list(self.registry.snapshot.workers if workers is None else workers)
+        chosen = list(self.parts.registry.snapshot.workers if workers is None else workers)
         calls = [(w, p) for w in chosen if (p := path(w)) is not None]
-        headers = forwarded(request, self.config)
+        headers = forwarded(request, self.parts.config)
         rows = await asyncio.gather(*(self._call(w, p, method, headers) for w, p in calls))
         return list(rows)
 
@@ -136,7 +133,7 @@ class Unranked:
     ) -> dict[str, Any]:
         row: dict[str, Any] = {"worker": worker.id, "url": worker.url, "path": path}
         try:
-            async with self.rules.session.request(
+            async with self.parts.upstream.session.request(
                 method, worker.url + path, headers=headers, timeout=FAN_TIMEOUT
             ) as r:
                 raw = await r.read()

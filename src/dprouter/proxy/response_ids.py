@@ -1,6 +1,6 @@
 """Response ids -> the label of the target that made each: bounded and expiring.
 
-Kept apart from ``stored`` so that the control plane holds one without the request path.
+ResponseIds apart from ``stored`` so that the control plane holds one without the request path.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 
-class Kept:
+class ResponseIds:
     """Response id -> the label of the target that made it, bounded and expiring."""
 
     def __init__(

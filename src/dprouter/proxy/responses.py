@@ -20,29 +20,26 @@ from collections.abc import Sequence
 import orjson
 from aiohttp import web
 
-from dprouter.config import RouterConfig
 from dprouter.core.errors import error
 from dprouter.core.headers import TARGET_HEADER
-from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target
-from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.plain import Proxy
 from dprouter.proxy.pools import choose_pools
-from dprouter.proxy.rankless import Unranked
+from dprouter.proxy.rankless import Rankless
 from dprouter.proxy.read import read_request
 from dprouter.proxy.relay import STREAMING
-from dprouter.proxy.response_ids import Kept
+from dprouter.proxy.response_ids import ResponseIds
 
 FIRST_ID = re.compile(rb'"id"\s*:\s*"([^"]{1,200})"')  # a stream's first id is the response's
 LOOK = 64 << 10  # bytes of a stream searched for it
 
 
-class Learn:
+class IdWatcher:
     """Watches a stream for its response id, and notes it as soon as it passes."""
 
-    def __init__(self, request: web.Request, kept: Kept) -> None:
+    def __init__(self, request: web.Request, ids: ResponseIds) -> None:
         self.request = request
-        self.kept = kept
+        self.ids = ids
         self.seen = b""
         self.done = False
         self.noted: asyncio.Task[None] | None = None
@@ -54,40 +51,33 @@ class Learn:
         found = FIRST_ID.search(self.seen)
         if found is not None:
             label = self.request[STREAMING].headers[TARGET_HEADER]
-            note = self.kept.note(found.group(1).decode(), label)
+            note = self.ids.note(found.group(1).decode(), label)
             self.noted = asyncio.get_running_loop().create_task(note)
         if found is not None or len(self.seen) > LOOK:
             self.done = True
             self.seen = b""
 
 
-class Stored:
-    def __init__(
-        self,
-        config: RouterConfig,
-        registry: Registry,
-        metrics: RouterMetrics,
-        proxy: Proxy,
-        unranked: Unranked,
-        kept: Kept,
-    ) -> None:
-        self.config = config
-        self.registry = registry
-        self.metrics = metrics
+class Responses:
+    """``POST /v1/responses`` by the policy (or to the target that made the previous
+    response), and the follow-ups that name a response to the target that made it."""
+
+    def __init__(self, proxy: Proxy, rankless: Rankless, ids: ResponseIds) -> None:
+        self.parts = proxy.parts
         self.proxy = proxy
-        self.unranked = unranked
-        self.kept = kept
+        self.rankless = rankless
+        self.ids = ids
 
     async def holder(self, rid: str) -> Target | web.Response:
         """The target that made response ``rid``, or the error to answer with."""
-        label = await self.kept.find(rid)
+        label = await self.ids.find(rid)
         if label is None:
             message = (
                 f"Response with id '{rid}' not found: the router never routed it, "
                 "or has forgotten it."
             )
             return error(404, message, "response_id")
-        for worker in self.registry.workers.values():
+        for worker in self.parts.registry.workers.values():
             for target in worker.targets:
                 if target.label == label:
                     if not worker.ready:
@@ -97,7 +87,7 @@ class Stored:
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
-        client = await read_request(request, "responses", self.config, self.metrics)
+        client = await read_request(request, "responses", self.parts.config, self.parts.metrics)
         if isinstance(client, web.Response):
             return client
         incoming = client.incoming
@@ -111,8 +101,8 @@ class Stored:
             pool: Sequence[Target] = (found,)
         else:
             chosen = choose_pools(
-                self.registry,
-                self.metrics,
+                self.parts.registry,
+                self.parts.metrics,
                 ("regular",),
                 incoming.model,
                 request.path,
@@ -121,7 +111,7 @@ class Stored:
             if isinstance(chosen, web.Response):
                 return chosen
             pool = chosen[0]
-        learn = Learn(request, self.kept) if incoming.stream else None
+        learn = IdWatcher(request, self.ids) if incoming.stream else None
         answer = await self.proxy.forward(request, client, "responses", pool, started, learn)
         if learn is None and isinstance(answer, web.Response) and answer.status == 200:
             try:
@@ -129,7 +119,7 @@ class Stored:
             except (orjson.JSONDecodeError, AttributeError):
                 rid = None
             if isinstance(rid, str):  # noted before the client has the id
-                await self.kept.note(rid, answer.headers[TARGET_HEADER])
+                await self.ids.note(rid, answer.headers[TARGET_HEADER])
         elif learn is not None and learn.noted is not None:
             await learn.noted
         return answer
@@ -139,4 +129,4 @@ class Stored:
         found = await self.holder(request.match_info["id"])
         if isinstance(found, web.Response):
             return found
-        return await self.unranked.pinned(request, found)
+        return await self.rankless.pinned(request, found)

@@ -1,4 +1,5 @@
-"""One set of rules for every attempt, a plain request's or a leg of a P/D pair.
+"""One set of retry rules and one retry loop for every attempt: a plain request's, a
+rankless one's, or a leg of a P/D pair.
 
 Before any byte reaches the client, a failed attempt is tried again elsewhere:
 
@@ -11,37 +12,33 @@ Before any byte reaches the client, a failed attempt is tried again elsewhere:
 - ``Retry-After`` on 429/503 rests the target for that long;
 - the last chance passes the engine's own answer through;
 - when every attempt was refused, the client hears 503 (nothing is up), else 502.
+
+Each flow says what one attempt is (``Attempts.run``); sending it is ``upstream``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from dprouter.core.errors import Failed, error
-from dprouter.core.types import Side
-from dprouter.fleet.board import Board
 from dprouter.fleet.breakers import Breakers
 from dprouter.fleet.targets import Target, Worker
 from dprouter.proxy.metrics import RouterMetrics
-from dprouter.proxy.output_budget import OutputEstimate
+from dprouter.proxy.pools import Pools
 from dprouter.proxy.relay import was_cut
-from dprouter.proxy.upload import Upload
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 BUSY = frozenset({408, 429})
-NO_TIMER = contextlib.nullcontext()
 RETRY_BACKOFF_MAX = 1.0  # seconds, the longest wait between two attempts
 REST_MAX = 60.0  # seconds, the longest pause a Retry-After can ask of a target
-LARGE = 1 << 20  # bytes: aiohttp warns of a body this large sent as one piece
 WORKER_DOWN = frozenset({"connect", "connect_timeout", "no_answer"})  # all its ranks are out
+# one attempt over the targets left of each pool; ``Failed``: to be tried elsewhere
+Attempt = Callable[[Pools], Awaitable[web.StreamResponse]]
 
 
 def retry_after(value: str | None) -> float:
@@ -51,79 +48,26 @@ def retry_after(value: str | None) -> float:
     return min(float(value), REST_MAX)
 
 
-class Rules:
-    """What the router shares across requests: the session, breakers, metrics, timers."""
+class Retry:
+    """The retry rules a router applies to every attempt: how many, how far apart, what an
+    answer's status leads to. ``suspect``: a worker refused a connection, out until it
+    answers again."""
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
         breakers: Breakers,
         metrics: RouterMetrics,
         suspect: Callable[[Worker], None],
         limit: int,
         backoff: float,
-        connect_timeout: float,
-        first_byte_timeout: float,
         seed: int = 0,
-        output_budget: str = "typical",
-        board: Board | None = None,
     ) -> None:
-        self.session = session
         self.breakers = breakers
         self.metrics = metrics
-        self.suspect = suspect  # a worker refused a connection: out until it answers
+        self.suspect = suspect
         self.limit = limit
         self.backoff = backoff
-        self.connect_timeout = connect_timeout
         self.jitter = random.Random(seed)
-        # typical output lengths, learned from the answers (``cap``: max_tokens as sent)
-        self.output = OutputEstimate(learned=output_budget == "typical", board=board)
-        fb = first_byte_timeout  # the answer must start in time; off: no timer per request
-        self.first_byte_timeout = fb
-        self.first_byte = (lambda: asyncio.timeout(fb)) if fb else (lambda: NO_TIMER)
-
-    async def post(
-        self,
-        target: Target,
-        path: str,
-        data: bytes | Upload,
-        headers: CIMultiDict[str],
-        side: Side | None = None,
-        method: str = "POST",
-    ) -> aiohttp.ClientResponse:
-        """Send one attempt; what went wrong before an answer raises ``Failed``."""
-        url = target.worker.url + path
-        # a large body held whole is written a piece at a time (as aiohttp asks), from a
-        # fresh reader per attempt; an upload is its own reader
-        body = io.BytesIO(data) if isinstance(data, bytes) and len(data) > LARGE else data
-        try:
-            timer = self._first_byte(data)
-            if timer is NO_TIMER:  # no timer (the default): no context entered, 1 us less
-                return await self.session.request(method, url, data=body, headers=headers)
-            async with timer:
-                return await self.session.request(method, url, data=body, headers=headers)
-        except aiohttp.ClientConnectorError as exc:
-            raise Failed(target, "connect", f"cannot connect ({exc.os_error})", side) from exc
-        except aiohttp.ConnectionTimeoutError as exc:
-            wait = f"no connection within {self.connect_timeout:g} s"
-            raise Failed(target, "connect_timeout", wait, side) from exc
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise Failed(target, "no_answer", f"{type(exc).__name__} {exc}".strip(), side) from exc
-        finally:
-            if isinstance(data, Upload):
-                data.on_sent = None  # the answer came, or the attempt is over: no clock to start
-
-    def _first_byte(self, data: bytes | Upload) -> contextlib.AbstractAsyncContextManager[object]:
-        """The first-byte timer. A streamed upload can take longer to send than any answer
-        takes to start: its clock starts once its last byte went (the total timeout, kept
-        by the session, still counts the upload)."""
-        fb = self.first_byte_timeout
-        if not fb or not isinstance(data, Upload):
-            return self.first_byte()
-        timer = asyncio.timeout(None)
-        loop = asyncio.get_running_loop()
-        data.on_sent = lambda: timer.reschedule(loop.time() + fb)
-        return timer
 
     def judge(self, target: Target, upstream: aiohttp.ClientResponse, last_chance: bool) -> None:
         """The rules for an answer's status; ``Failed`` when it is to be tried elsewhere."""
@@ -147,13 +91,28 @@ class Attempts:
 
     __slots__ = ("last", "refused", "rules", "shunned", "tried", "unopened")
 
-    def __init__(self, rules: Rules) -> None:
+    def __init__(self, rules: Retry) -> None:
         self.rules = rules
         self.tried: list[Target] = []  # one per failed attempt (of a pair: the side that failed)
         self.unopened: list[Target] = []  # tried, but no connection opened: the request never left
         self.shunned: set[Worker] = set()  # refused, reset or silent: all its ranks are out
         self.refused = 0
         self.last = "no attempt was made"
+
+    async def run(self, pools: Pools, one: Attempt, what: str = "attempt") -> web.StreamResponse:
+        """The retry loop of every flow: ``one`` attempt over the targets left of each pool,
+        again after a pause while it fails (``Failed``) and targets and attempts are left;
+        then the client hears why (``give_up``)."""
+        while True:
+            candidates = tuple(map(self.candidates, pools))
+            if not all(candidates):
+                return self.give_up(what)
+            if self.tried:
+                await self.pause()
+            try:
+                return await one(candidates)
+            except Failed as failure:
+                self.failed(failure)
 
     def candidates(self, pool: Sequence[Target]) -> Sequence[Target]:
         """The targets of ``pool`` left to try; none once ``limit`` attempts have failed.

@@ -1,11 +1,24 @@
-"""The upstream session: one aiohttp client session shared by every request to the engines."""
+"""Sending an attempt to an engine: one aiohttp client session shared by every request,
+and ``Upstream.post``, which turns what went wrong before an answer into ``Failed``."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
+
 import aiohttp
 from aiohttp import hdrs
+from multidict import CIMultiDict
 
 from dprouter.config import RouterConfig
+from dprouter.core.errors import Failed
+from dprouter.core.types import Side
+from dprouter.fleet.targets import Target
+from dprouter.proxy.upload import Upload
+
+NO_TIMER = contextlib.nullcontext()
+LARGE = 1 << 20  # bytes: aiohttp warns of a body this large sent as one piece
 
 
 class UpstreamRequest(aiohttp.ClientRequest):
@@ -39,3 +52,59 @@ def upstream_session(config: RouterConfig) -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(),
         request_class=UpstreamRequest,
     )
+
+
+class Upstream:
+    """Posts attempts over the shared session, each with its first-byte timer."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, connect_timeout: float, first_byte_timeout: float
+    ) -> None:
+        self.session = session
+        self.connect_timeout = connect_timeout
+        fb = first_byte_timeout  # the answer must start in time; off: no timer per request
+        self.first_byte_timeout = fb
+        self.first_byte = (lambda: asyncio.timeout(fb)) if fb else (lambda: NO_TIMER)
+
+    async def post(
+        self,
+        target: Target,
+        path: str,
+        data: bytes | Upload,
+        headers: CIMultiDict[str],
+        side: Side | None = None,
+        method: str = "POST",
+    ) -> aiohttp.ClientResponse:
+        """Send one attempt; what went wrong before an answer raises ``Failed``."""
+        url = target.worker.url + path
+        # a large body held whole is written a piece at a time (as aiohttp asks), from a
+        # fresh reader per attempt; an upload is its own reader
+        body = io.BytesIO(data) if isinstance(data, bytes) and len(data) > LARGE else data
+        try:
+            timer = self._first_byte(data)
+            if timer is NO_TIMER:  # no timer (the default): no context entered, 1 us less
+                return await self.session.request(method, url, data=body, headers=headers)
+            async with timer:
+                return await self.session.request(method, url, data=body, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            raise Failed(target, "connect", f"cannot connect ({exc.os_error})", side) from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            wait = f"no connection within {self.connect_timeout:g} s"
+            raise Failed(target, "connect_timeout", wait, side) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise Failed(target, "no_answer", f"{type(exc).__name__} {exc}".strip(), side) from exc
+        finally:
+            if isinstance(data, Upload):
+                data.on_sent = None  # the answer came, or the attempt is over: no clock to start
+
+    def _first_byte(self, data: bytes | Upload) -> contextlib.AbstractAsyncContextManager[object]:
+        """The first-byte timer. A streamed upload can take longer to send than any answer
+        takes to start: its clock starts once its last byte went (the total timeout, kept
+        by the session, still counts the upload)."""
+        fb = self.first_byte_timeout
+        if not fb or not isinstance(data, Upload):
+            return self.first_byte()
+        timer = asyncio.timeout(None)
+        loop = asyncio.get_running_loop()
+        data.on_sent = lambda: timer.reschedule(loop.time() + fb)
+        return timer

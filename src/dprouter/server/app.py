@@ -18,7 +18,7 @@ from dprouter.config import RouterConfig, sources, validate
 from dprouter.core.errors import ConfigError, TokenizerError, error
 from dprouter.core.log_filter import quiet_malformed
 from dprouter.core.net import bind, check_backlog, url_of
-from dprouter.core.types import Side
+from dprouter.core.types import Role
 from dprouter.engines.kvevents import prompt
 from dprouter.engines.kvevents.feed import Feed
 from dprouter.engines.kvevents.index import KvIndex
@@ -33,16 +33,21 @@ from dprouter.fleet.registry import Registry, worker_from_spec
 from dprouter.policies import Policy, make_policy, needs_tokens
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
+from dprouter.proxy.abort import Aborter
 from dprouter.proxy.metrics import RouterMetrics
-from dprouter.proxy.pd.pair import PairProxy
+from dprouter.proxy.output_budget import OutputEstimate
+from dprouter.proxy.parts import ProxyParts
+from dprouter.proxy.pd.pair import SIDES, PairProxy
 from dprouter.proxy.plain import Proxy
-from dprouter.proxy.retry import Rules
+from dprouter.proxy.rankless import Rankless
+from dprouter.proxy.responses import Responses
+from dprouter.proxy.retry import Retry
 from dprouter.proxy.routing_keys import Places, claims
-from dprouter.proxy.upstream import upstream_session
+from dprouter.proxy.upstream import Upstream, upstream_session
 from dprouter.server.admission import Admission, AdmissionOptions
-from dprouter.server.engine_routes import Surface
+from dprouter.server.engine_routes import EngineRoutes
 from dprouter.server.parts import PARTS, Control, Parts
-from dprouter.server.routes import Handlers
+from dprouter.server.routes import Routes
 
 log = logging.getLogger("dprouter")
 
@@ -88,11 +93,12 @@ def build_app(
         parts.sources = sources(config, registry, parts.monitor)
     else:
         parts.breakers = control.breakers(config.breaker_options())
+        parts.response_ids = control.response_ids()
     parts.lag.on_tick = parts.metrics.loop_lag.set
     app = web.Application(client_max_size=config.max_body, middlewares=[_last_resort])
     app[PARTS] = parts
     app.cleanup_ctx.append(_lifecycle)
-    app.add_routes([*Handlers(parts).routes(), *Surface(parts).routes()])
+    app.add_routes([*Routes(parts).routes(), *EngineRoutes(parts).routes()])
     if config.dashboard:
         from dprouter.server.dashboard import Dashboard
 
@@ -113,6 +119,21 @@ def prefix_parts(config: RouterConfig, registry: Registry) -> tuple[Lookup, Feed
         pool.shutdown()
         raise ConfigError(f"cannot load a tokenizer: {exc}") from None
     return Lookup(tokens, index, pool), Feed(registry, index)
+
+
+def placer_for(parts: Parts, policy: Policy, role: Role) -> Places | None:
+    """Where ``manual`` places a new routing key when its table is not this router's own:
+    the control plane's under ``--processes``, a claim in etcd beside other replicas. The
+    table's owner then moves keys off loaded targets, not this copy."""
+    if not isinstance(policy, Manual):
+        return None
+    if parts.control is not None:
+        placer: Places | None = parts.control.placer(policy, role)
+    else:
+        placer = claims(parts.sources, policy, role)
+    if placer is not None:
+        policy.bound = 0
+    return placer
 
 
 @web.middleware
@@ -147,58 +168,44 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await parts.registration.start()
     for source in parts.sources:
         await source.start()
-    rules = Rules(
-        session,
-        parts.breakers,
+    proxy_parts = ProxyParts(
+        config,
+        parts.registry,
         parts.metrics,
-        parts.monitor.suspect,
-        limit=config.attempts,
-        backoff=config.retry_backoff,
-        connect_timeout=config.connect_timeout,
-        first_byte_timeout=config.first_byte_timeout,
-        seed=config.seed,
-        output_budget=config.output_budget,
-        board=parts.registry.board,
-    )
-    if config.pd is not None:
-        policies: dict[Side, Policy] = {
-            side: make_policy(config.role_policy(side), config.policy_options())
-            for side in ("prefill", "decode")
-        }
-        placers: dict[Side, Places] = {}
-        for side, policy in policies.items():
-            if not isinstance(policy, Manual):
-                continue
-            if parts.control is not None:
-                placers[side] = parts.control.placer(policy, side)
-            elif (claimed := claims(parts.sources, policy, side)) is not None:
-                placers[side] = claimed
-            if side in placers:
-                policy.bound = 0  # the table's owner (the parent, etcd's claim) moves keys
-        parts.proxy = PairProxy(
-            config,
-            parts.registry,
-            policies["prefill"],
-            policies["decode"],
+        Upstream(session, config.connect_timeout, config.first_byte_timeout),
+        Retry(
+            parts.breakers,
             parts.metrics,
-            rules,
-            placers,
-            parts.lock,
+            parts.monitor.suspect,
+            limit=config.attempts,
+            backoff=config.retry_backoff,
+            seed=config.seed,
+        ),
+        # typical output lengths, learned from the answers (``cap``: max_tokens as sent)
+        OutputEstimate(learned=config.output_budget == "typical", board=parts.registry.board),
+        Aborter(session),
+    )
+    parts.rankless = Rankless(proxy_parts)
+    if config.pd is not None:
+        policies = {
+            side: make_policy(config.role_policy(side), config.policy_options()) for side in SIDES
+        }
+        placers = {
+            side: placer
+            for side, policy in policies.items()
+            if (placer := placer_for(parts, policy, side)) is not None
+        }
+        parts.proxy = PairProxy(
+            proxy_parts, policies["prefill"], policies["decode"], placers, parts.lock
         )
     else:
-        placer: Places | None = None
-        if parts.control is not None and isinstance(parts.policy, Manual):
-            placer = parts.control.placer(parts.policy, "regular")
-        elif isinstance(parts.policy, Manual):
-            placer = claims(parts.sources, parts.policy)
-        if placer is not None and isinstance(parts.policy, Manual):
-            parts.policy.bound = 0  # the table's owner (the parent, etcd's claim) moves keys
         if parts.control is not None and isinstance(parts.policy, CacheAware):
             parts.control.share_prefixes(parts.policy)
-        parts.proxy = Proxy(
-            config, parts.registry, parts.policy, parts.metrics, rules, placer, parts.lock
-        )
-        parts.proxy.lookup = parts.lookup
+        placer = placer_for(parts, parts.policy, "regular")
+        proxy = Proxy(proxy_parts, parts.policy, placer, parts.lock)
+        proxy.lookup = parts.lookup
+        parts.proxy = proxy
+        parts.responses = Responses(proxy, parts.rankless, parts.response_ids)
     if parts.feed is not None:
         await parts.feed.start()
     await parts.monitor.start()

@@ -13,22 +13,18 @@ from dprouter.core.errors import error
 from dprouter.fleet.targets import Worker
 from dprouter.proxy.plain import Proxy
 from dprouter.proxy.pools import no_pool
-from dprouter.proxy.rankless import Unranked
-from dprouter.proxy.response_ids import Kept
-from dprouter.proxy.responses import Stored
+from dprouter.proxy.rankless import Rankless
 from dprouter.server.admin import denied
 from dprouter.server.endpoints import ENDPOINTS, Endpoint
 from dprouter.server.parts import Parts
 from dprouter.server.routes import guarded
 
+P_D_ONLY = "a P/D router serves completions, chat and /generate only"
 
-class Surface:
+
+class EngineRoutes:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
-        # response ids: this process's, and the control plane's under --processes N
-        self.kept = Kept() if parts.control is None else parts.control.response_ids()
-        self._unranked: Unranked | None = None
-        self._stored: Stored | None = None
 
     def routes(self) -> list[web.RouteDef]:
         handlers = {
@@ -41,41 +37,28 @@ class Surface:
         routes = [web.route(e.method, e.path, partial(handlers[e.routing], e)) for e in ENDPOINTS]
         return [*routes, web.get("/version", self.version)]
 
-    def _proxy(self) -> Proxy | web.Response:
-        proxy = self.parts.proxy
-        if not isinstance(proxy, Proxy):  # a P/D router pairs generation only
-            return error(404, "a P/D router serves completions, chat and /generate only")
-        return proxy
-
     @property
-    def unranked(self) -> Unranked:
-        if self._unranked is None:
-            proxy = self.parts.proxy
-            assert proxy is not None
-            p = self.parts
-            self._unranked = Unranked(p.config, p.registry, p.metrics, proxy.rules)
-        return self._unranked
+    def rankless(self) -> Rankless:
+        assert self.parts.rankless is not None  # made at start-up
+        return self.parts.rankless
 
     async def by_policy(self, endpoint: Endpoint, request: web.Request) -> web.StreamResponse:
-        proxy = self._proxy()
-        if isinstance(proxy, web.Response):
-            return proxy
+        proxy = self.parts.proxy
+        if not isinstance(proxy, Proxy):  # a P/D router pairs generation only
+            return error(404, P_D_ONLY)
         assert endpoint.kind is not None
         call = partial(proxy.handle, request, endpoint.kind, endpoint.dialect)
         return await guarded(self.parts, request, call)
 
     async def anyone(self, endpoint: Endpoint, request: web.Request) -> web.StreamResponse:
-        call = partial(self.unranked.anyone, request, endpoint.kind, endpoint.dialect)
+        call = partial(self.rankless.anyone, request, endpoint.kind, endpoint.dialect)
         return await guarded(self.parts, request, call)
 
     async def stored(self, endpoint: Endpoint, request: web.Request) -> web.StreamResponse:
-        proxy = self._proxy()
-        if isinstance(proxy, web.Response):
-            return proxy
-        if self._stored is None:
-            p = self.parts
-            self._stored = Stored(p.config, p.registry, p.metrics, proxy, self.unranked, self.kept)
-        flow = self._stored.create if endpoint.kind is not None else self._stored.follow
+        responses = self.parts.responses
+        if responses is None:
+            return error(404, P_D_ONLY)
+        flow = responses.create if endpoint.kind is not None else responses.follow
         return await guarded(self.parts, request, partial(flow, request))
 
     async def each(self, endpoint: Endpoint, request: web.Request) -> web.Response:
@@ -92,7 +75,7 @@ class Surface:
         def path(w: Worker) -> str | None:
             return endpoint.path if w.dialect in endpoint.engines else None
 
-        rows = await self.unranked.fan(request, path, endpoint.method, workers)
+        rows = await self.rankless.fan(request, path, endpoint.method, workers)
         if not rows:
             return no_pool(self.parts.registry, self.parts.metrics, endpoint.dialect, endpoint.path)
         ok = all(r["status"] is not None and r["status"] < 300 for r in rows)
@@ -104,7 +87,7 @@ class Surface:
         def path(w: Worker) -> str:
             return "/server_info" if w.dialect == "sglang" else "/version"
 
-        rows = await self.unranked.fan(request, path)
+        rows = await self.rankless.fan(request, path)
         for row in rows:
             body = row.pop("body", None)
             row["version"] = body.get("version") if isinstance(body, dict) else None

@@ -24,7 +24,9 @@ from dprouter.policies.manual import Manual
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.pd.pair import PairProxy
 from dprouter.proxy.plain import Proxy
-from dprouter.proxy.response_ids import Kept
+from dprouter.proxy.rankless import Rankless
+from dprouter.proxy.response_ids import ResponseIds
+from dprouter.proxy.responses import Responses
 from dprouter.proxy.routing_keys import Places
 from dprouter.server.admission import Admission
 from dprouter.server.drain import Drain
@@ -46,7 +48,7 @@ class Control(Protocol):
         """The admin API, as the parent runs it."""
         ...
 
-    def response_ids(self) -> Kept:
+    def response_ids(self) -> ResponseIds:
         """Stored responses' ids, known to every serving process."""
         ...
 
@@ -73,7 +75,11 @@ class Parts:
     admission: Admission
     breakers: Breakers
     drain: Drain = field(default_factory=Drain)  # requests in flight, for a graceful stop
-    proxy: Proxy | PairProxy | None = None  # made at start-up, with the upstream session
+    response_ids: ResponseIds = field(default_factory=ResponseIds)  # which target made each
+    # the request path's flows, made at start-up with the upstream session: generation...
+    proxy: Proxy | PairProxy | None = None
+    rankless: Rankless | None = None  # ...requests that name no rank...
+    responses: Responses | None = None  # ...and the Responses API (not under --pd)
     registration: Registration | None = None  # MoRIIO instances register here
     sources: list[Source] = field(default_factory=list)  # of workers: etcd (not --processes)
     control: Control | None = None  # a serving process of --processes N: the parent's link

@@ -61,7 +61,7 @@ def closing(resp: web.Response) -> web.Response:
     return resp
 
 
-class Handlers:
+class Routes:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
         self.description = describe(dashboard=parts.config.dashboard)

@@ -17,9 +17,9 @@ from dprouter.engines import dialects
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.proxy.abort import Aborter
 from dprouter.proxy.metrics import RouterMetrics
+from dprouter.proxy.parts import ProxyParts
 from dprouter.proxy.read import ClientRequest
 from dprouter.proxy.relay import relay
-from dprouter.proxy.retry import Rules
 
 
 @dataclass
@@ -29,8 +29,7 @@ class Call:
     request: web.Request
     client: ClientRequest
     started: float
-    rules: Rules
-    aborter: Aborter  # SGLang: a client that leaves aborts its request on the engines
+    parts: ProxyParts
     # per attempt: would a failure of this side be tried again elsewhere?
     last_chance: dict[Side, bool] = field(default_factory=dict)
     # per attempt, several serving processes: each leg counted in the step of the decision
@@ -48,7 +47,12 @@ class Call:
 
     @property
     def metrics(self) -> RouterMetrics:
-        return self.rules.metrics
+        return self.parts.metrics
+
+    @property
+    def aborter(self) -> Aborter:
+        """SGLang: a client that leaves aborts its request on the engines."""
+        return self.parts.aborter
 
     def count(self, side: Side, target: Target) -> Outstanding:
         """What counts this leg on its target while it runs: the count claimed with the
@@ -85,9 +89,9 @@ class Call:
             sent["Accept-Encoding"] = "identity"
         dialects.write_rank(target.worker.dialect or "vllm", target.rank, sent, payload)
         path = self.request.path_qs
-        resp = await self.rules.post(target, path, orjson.dumps(payload), sent, side)
+        resp = await self.parts.upstream.post(target, path, orjson.dumps(payload), sent, side)
         try:
-            self.rules.judge(target, resp, self.last_chance.get(side, True))
+            self.parts.retry.judge(target, resp, self.last_chance.get(side, True))
         except Failed as failure:
             failure.side = side
             raise
