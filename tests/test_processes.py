@@ -8,8 +8,10 @@ spreads them over both processes.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
@@ -213,6 +215,35 @@ async def test_a_killed_serving_process_is_replaced_and_its_counts_released(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     assert await until(lambda: in_flight(sup) == 0, seconds=10)
+
+
+def linger() -> None:
+    """Close every file, then live on a moment: a serving process on its way out, as its
+    parent sees it (its sentinel reads as closed before it can be reaped)."""
+    os.closerange(3, 1 << 16)
+    time.sleep(0.3)
+
+
+async def test_a_serving_process_is_reaped_however_late_its_exit_completes() -> None:
+    """The parent learns that a serving process ended from its sentinel, which reads as
+    closed a moment before the process can be reaped. Reaping without waiting found it
+    running, nothing reaped it after, and a stop waited out the grace for it (seen after a
+    killed process was replaced: SIGTERM to the idle parent took the grace + 5 s)."""
+    sup = Supervisor(RouterConfig(port=0, processes=2, grace=1.0))  # not started: no children
+    try:
+        sup.stopping = True  # as when stop() has signalled them
+        child = multiprocessing.get_context("spawn").Process(target=linger)
+        child.start()
+        sup.children[0] = child
+        sup.watch(0, child)
+        async with asyncio.timeout(5):
+            await sup.ended.wait()
+        assert child.exitcode == 0
+        assert child.pid is not None
+        with pytest.raises(ProcessLookupError):  # reaped: not even a zombie is left
+            os.kill(child.pid, 0)
+    finally:
+        await sup.stop()
 
 
 async def test_sigterm_drains_both_processes_with_the_one_grace(

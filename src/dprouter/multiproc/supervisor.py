@@ -40,6 +40,7 @@ from dprouter.multiproc.serving_process import Seat, main
 log = logging.getLogger("dprouter")
 SPAWN = multiprocessing.get_context("spawn")  # never fork a process with a running loop
 START_TIMEOUT = 60.0  # seconds for every serving process to listen
+REAP = 5.0  # seconds an ended serving process may take to finish exiting
 
 
 class Supervisor:
@@ -67,7 +68,7 @@ class Supervisor:
         self.stopping = False
         self.replaced = 0  # serving processes replaced after they died
         self.gave_up = asyncio.Event()  # they kept dying at start-up: the router cannot serve
-        self._gone = asyncio.Event()  # stopping, and every serving process has ended
+        self.ended = asyncio.Event()  # stopping, and every serving process has ended
         self._quick_deaths = 0
         self._hash_seed = str(secrets.randbelow(1 << 32))
 
@@ -124,14 +125,21 @@ class Supervisor:
             else:
                 os.environ["PYTHONHASHSEED"] = before
         self.children[row] = child
+        self.watch(row, child)
+
+    def watch(self, row: int, child: multiprocessing.process.BaseProcess) -> None:
+        """Take ``child`` as the serving process of ``row``, and learn when it ends."""
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        loop.add_reader(child.sentinel, self._ended, row, child, started)
+        loop.add_reader(child.sentinel, self._ended, row, child, loop.time())
 
     def _ended(self, row: int, child: multiprocessing.process.BaseProcess, started: float) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(child.sentinel)
-        child.join(0)
+        # The sentinel reads as closed once the process has closed its files on the way
+        # out, a moment before it can be reaped: a join that does not wait (``join(0)``)
+        # could find it still running, and then nothing would ever reap it (a zombie, and a
+        # stop waiting out the grace for it). This join waits for the exit under way.
+        child.join(REAP)
         self.control.listening.discard(row)
         if hand_back(self.semaphore, self.board, row):
             log.warning("serving process %d died holding the board lock: handed back", row)
@@ -140,7 +148,7 @@ class Supervisor:
             mark_process_dead(child.pid, os.path.join(self._dir, "metrics"))  # type: ignore[no-untyped-call]
         if self.stopping:
             if not any(c.is_alive() for c in self.children.values()):
-                self._gone.set()
+                self.ended.set()
             return
         quick = loop.time() - started < 2.0
         self._quick_deaths = self._quick_deaths + 1 if quick else 0
@@ -168,7 +176,7 @@ class Supervisor:
         if alive:
             try:
                 async with asyncio.timeout(self.config.grace + 5.0):
-                    await self._gone.wait()
+                    await self.ended.wait()
             except TimeoutError:
                 log.error("serving processes still running after the grace: killing them")
         for child in self.children.values():
