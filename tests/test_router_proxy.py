@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -11,7 +12,7 @@ from aiohttp import web
 
 from dprouter.config import RouterConfig
 from dprouter.core.net import bind, url_of
-from dprouter.sim.config import EngineConfig, Faults
+from dprouter.sim.config import CostModel, EngineConfig, Faults
 from tests.conftest import (
     StartCluster,
     StartRouter,
@@ -19,6 +20,7 @@ from tests.conftest import (
     metric_sum,
     serving,
     stalling,
+    until,
     workers,
 )
 from tests.test_sim_vllm import sse_events
@@ -84,6 +86,43 @@ async def test_client_disconnect_cancels_the_engine_request(
         await asyncio.sleep(0.01)
     assert (rank.num_running, rank.stats.aborted, target.outstanding) == (0, 1, 0)
     assert rank.stats.generation_tokens < 5000
+
+
+async def test_clients_closing_mid_stream_are_clients_that_left_not_cut_streams(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that closes its connection while a fast stream runs: its connection can be
+    closing when the next event is written, a loop turn before the handler is cancelled.
+    That write used to be taken for the engine cutting the stream (``stream_cut`` counted
+    against the target, an "unexpected error" logged with its trace, a 500 to nobody)."""
+    fast = EngineConfig(dp_size=2, cost=CostModel(step_base=1e-4, decode_per_seq=1e-6))
+    (engine,) = (await start_cluster([fast])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url)))
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    )
+    body = b'{"prompt": "a long story", "max_tokens": 2000, "stream": true}'
+
+    async def leave() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        writer.write(head % len(body) + body)
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read(200)  # the stream runs
+        await asyncio.sleep(0.01)
+        writer.close()
+        await writer.wait_closed()
+
+    for _ in range(20):  # 400 streams: the closing connection meets a write in a few
+        await asyncio.gather(*(leave() for _ in range(20)))
+    assert await until(lambda: all(t.outstanding == 0 for t in router.registry.targets()))
+    assert await until(lambda: not any(r.num_running for r in engine.engine.ranks))
+    async with http.get(router.url + "/metrics") as r:
+        assert "stream_cut" not in await r.text()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_failed_attempts_are_retried_on_another_target(

@@ -107,7 +107,14 @@ async def _stream(
             if first:
                 series.first_byte.observe(loop.time() - started)
                 first = False
-            await resp.write(chunk)
+            try:
+                await resp.write(chunk)
+            except aiohttp.ClientConnectionResetError as exc:
+                # the client's connection is closing: it left, and the cancellation that
+                # says so comes a loop turn later. It ends as a client that leaves does
+                # (the engine's connection closed, an SGLang engine told to abort), not as
+                # a stream the engine cut
+                raise asyncio.CancelledError from exc
             if idle is not None:  # counted from here: a slow client is not an idle engine
                 idle.last = loop.time()  # ``touch``, without a call per read
             if watch is not None:
