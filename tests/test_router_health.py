@@ -105,10 +105,18 @@ async def test_an_open_breaker_goes_half_open_and_closes_on_success(
     def pool() -> list[str]:
         return [t.label for t in router.registry.snapshot.pool()]
 
+    async def ready() -> list[float]:
+        return [
+            await metric_sum(http, router.url, "dprouter_worker_ready", worker=w)
+            for w in ("w0", "w1")
+        ]
+
     async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
         assert r.status == 200 and r.headers["X-From"] == "steady"  # retried
     assert pool() == ["w1"]
+    assert await ready() == [0.0, 1.0]  # as routing sees it: none of its ranks takes traffic
     assert await until(lambda: pool() == ["w0", "w1"], 3)  # half-open after the cooldown
+    assert await ready() == [1.0, 1.0]
     for _ in range(2):  # the trial fails: out again at once
         async with http.post(router.url + "/v1/completions", json=PROMPT) as r:
             assert r.status == 200

@@ -60,7 +60,8 @@ class _Live(Collector):
         )
         ready = GaugeMetricFamily(
             "dprouter_worker_ready",
-            "1 when the worker is discovered and routable.",
+            "1 when the worker is discovered and routable: healthy, with a rank whose breaker "
+            "is closed.",
             labels=["worker"],
         )
         stale = GaugeMetricFamily(
@@ -75,7 +76,8 @@ class _Live(Collector):
         )
         moves.add_metric([], self.registry.board.moves)
         for w in self.registry.workers.values():
-            ready.add_metric([w.id], 1.0 if w.ready else 0.0)
+            routable = w.ready and not all(t.tripped for t in w.targets)
+            ready.add_metric([w.id], 1.0 if routable else 0.0)
             for t in w.targets:
                 outstanding.add_metric([w.role, w.id, t.rank_label], t.outstanding)
                 reported.add_metric([w.role, w.id, t.rank_label], t.reported)
