@@ -91,6 +91,35 @@ async def test_data_shows_every_target_with_its_load_and_rates(
     assert [w["dp_size"] for w in data["workers"]] == [8, 8, 4]
 
 
+async def test_each_target_shows_the_streams_in_flight_on_its_own_rank(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Streams held on chosen ranks (a trusted client pins them): each target's row counts
+    the streams of its own rank, as the engine counts them, not a neighbour's."""
+    (engine,) = (await start_cluster([demo_cluster()[2]])).servers  # one engine, DP4
+    config = RouterConfig(workers=workers(engine.url), dashboard=True, trust_client_rank=True)
+    router = await start_router(config)
+    held = {0: 1, 1: 3, 2: 0, 3: 2}
+    long = {**BODY, "max_tokens": 5000, "stream": True}
+    streams = []
+    try:
+        for rank, count in held.items():
+            for _ in range(count):
+                r = await http.post(
+                    router.url + "/v1/completions", json={**long, "routed_dp_rank": rank}
+                )
+                assert r.status == 200
+                await r.content.readuntil(b"\n\n")  # under way
+                streams.append(r)
+        rows = {t["dp_rank"]: t["in_flight"] for t in (await get_data(http, router.url))["targets"]}
+        assert rows == held
+        assert {i: r.num_running for i, r in enumerate(engine.engine.ranks)} == held
+        assert (await get_data(http, router.url))["router"]["in_flight"] == sum(held.values())
+    finally:
+        for r in streams:
+            r.close()
+
+
 async def test_the_page_and_its_files_are_served_with_a_strict_policy(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:

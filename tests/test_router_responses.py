@@ -38,7 +38,10 @@ async def test_fifty_follow_ups_in_a_row_each_reach_the_worker_that_stored_it(
     config = RouterConfig(workers=workers(*cluster.urls), policy="round_robin")
     router = await start_router(config)
     by_url = {s.url: s for s in cluster.servers}
+    for _ in range(2):  # round robin moves on: the response is stored on a target but the first
+        await create(http, router.url, {"input": "before", "model": "sim-model", "store": False})
     rid, made_by, _ = await create(http, router.url, {"input": "hello", "model": "sim-model"})
+    assert made_by == "w2"  # a follow-up sent to the pool's first target would not find it
     for i in range(50):
         async with http.get(router.url + f"/v1/responses/{rid}") as r:
             assert r.status == 200
@@ -50,7 +53,7 @@ async def test_fifty_follow_ups_in_a_row_each_reach_the_worker_that_stored_it(
         rid = new
     # every engine but one saw no follow-up, and that one never answered 404
     held = [s for s in by_url.values() if s.responses.kept]
-    assert len(held) == 1 and len(held[0].responses.kept) == 51
+    assert held == [cluster.servers[2]] and len(held[0].responses.kept) == 51
     # meanwhile new conversations went round all four
     seen = {(await create(http, router.url, {"input": "new"}))[1] for _ in range(4)}
     assert len(seen) == 4
@@ -61,7 +64,10 @@ async def test_a_stream_reaches_the_client_byte_for_byte_and_is_followed_up(
 ) -> None:
     cluster = await start_cluster([EngineConfig(dp_size=2)] * 2)
     router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    for _ in range(3):  # round robin moves on: stored on the last of the four targets
+        await create(http, router.url, {"input": "before", "store": False})
     rid, target, raw = await create(http, router.url, {"input": "stream me", "stream": True})
+    assert target == "w1/1"
     engine = next(s for s in cluster.servers if rid in s.responses.kept)
     async with http.get(engine.url + f"/v1/responses/{rid}") as r:
         stored = await r.json()
