@@ -4,6 +4,7 @@ worker that made it, and an id the router does not know is its own clear 404."""
 from __future__ import annotations
 
 import aiohttp
+import openai
 import orjson
 import pytest
 
@@ -132,3 +133,41 @@ def test_the_id_map_is_bounded_and_forgets_idle_ids() -> None:
     assert kept.get("r1") == "w1"  # in use: kept ten seconds more
     now[0] = 12.0
     assert kept.get("r2") is None and kept.get("r1") == "w1"
+
+
+async def test_the_official_client_streams_a_response_through_the_router(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """``responses.stream()`` of the official client keeps a snapshot of the response as
+    its events come, and needs each output item and content part announced before their
+    text: the simulated engines' stream now has every event vLLM's has."""
+    cluster = await start_cluster([EngineConfig(dp_size=2), EngineConfig(persona="sglang")])
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        for _ in range(3):  # both engines' personas
+            kinds: list[str] = []
+            deltas: list[str] = []
+            async with client.responses.stream(model="sim-model", input="stream me") as stream:
+                async for e in stream:
+                    kinds.append(e.type)
+                    if e.type == "response.output_text.delta":
+                        deltas.append(e.delta)
+                final = await stream.get_final_response()
+            assert final.status == "completed" and final.output_text == "".join(deltas)
+            assert kinds[:4] == [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+            ]
+            assert kinds[-4:] == [
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+            async with http.get(router.url + f"/v1/responses/{final.id}") as r:  # kept there
+                assert (await r.json())["output"][0]["content"][0]["text"] == final.output_text
+    finally:
+        await client.close()

@@ -9,6 +9,7 @@ requested output token (unless cancelled), so a test can cancel it in time.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 WORDS_MAX = 16  # output words actually written, whatever the budget
 SECONDS_PER_TOKEN = 0.1  # a background response's pace
+WORD = re.compile(r"\s*\S+")  # a streamed delta: a word and the space before it
 
 
 @dataclass
@@ -143,12 +145,13 @@ class Responses:
         if obj["store"]:
             self.kept[rid] = kept
         if body.get("stream") is True:
-            return await self._stream(request, kept, words)
+            return await self._stream(request, kept)
         return web.json_response(obj, headers=self._headers(rank), dumps=dumps)
 
-    async def _stream(
-        self, request: web.Request, kept: Stored, words: list[str]
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, kept: Stored) -> web.StreamResponse:
+        """The events vLLM streams for a message, in its order: the response created and in
+        progress, its output item and content part announced, the text a word per delta,
+        then each closed in turn and the response completed."""
         headers = {**self._headers(kept.rank), "Content-Type": "text/event-stream"}
         resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
@@ -160,11 +163,22 @@ class Responses:
             await resp.write(f"event: {kind}\n".encode() + b"data: " + line + b"\n\n")
             seq += 1
 
+        item = kept.fields["output"][0]  # the message, as it is once complete
+        text = item["content"][0]["text"]
+        at = {"item_id": item["id"], "output_index": 0, "content_index": 0}
         opening = {**kept.obj, "status": "in_progress", "output": [], "usage": None}
         await event("response.created", response=opening)
-        for word in words:
-            await event("response.output_text.delta", output_index=0, content_index=0, delta=word)
+        await event("response.in_progress", response=opening)
+        begun = {**item, "status": "in_progress", "content": []}
+        await event("response.output_item.added", output_index=0, item=begun)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        await event("response.content_part.added", **at, part=part)
+        for piece in WORD.findall(text):
+            await event("response.output_text.delta", **at, delta=piece, logprobs=[])
             await asyncio.sleep(0)
+        await event("response.output_text.done", **at, text=text, logprobs=[])
+        await event("response.content_part.done", **at, part={**part, "text": text})
+        await event("response.output_item.done", output_index=0, item=item)
         kept.obj.update(kept.fields, status="completed")
         await event("response.completed", response=kept.obj)
         await resp.write_eof()
