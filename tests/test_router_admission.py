@@ -111,7 +111,7 @@ async def test_a_client_that_leaves_the_queue_frees_no_slot_twice(
 
 
 async def test_no_cap_by_default() -> None:
-    admission = Admission(AdmissionOptions())
+    admission = Admission(AdmissionOptions(limit=0, queue=0, wait=30.0))
     assert [await admission.enter() for _ in range(10_000)] == [None] * 10_000
     assert admission.active == 10_000
 

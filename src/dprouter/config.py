@@ -34,6 +34,10 @@ from dprouter.fleet.worker_spec import (
 )
 from dprouter.policies import POLICIES, PolicyOptions
 
+# The defaults of options that configure a component are the component's own, stated there
+# (what each means is said there too); the command line's are these fields' (cli/serve.py).
+POLICY, MONITOR, BREAKER = PolicyOptions(), MonitorOptions(), BreakerOptions()
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -46,13 +50,13 @@ class RouterConfig:
     dp_aware: DpAware = "auto"
     trust_client_rank: bool = False
     forward_authorization: bool = False  # pass clients' Authorization on to the engines
-    seed: int = 0
-    key_ttl: float = 3600.0
-    session_bound: float = 1.5  # manual: a key leaves a target at bound x mean load + 2; 0: never
+    seed: int = POLICY.seed
+    key_ttl: float = POLICY.key_ttl
+    session_bound: float = POLICY.session_bound
     # a request's output counted as min(max_tokens, the typical length learned), or its cap
     output_budget: str = "typical"
-    cache_threshold: float = 0.5  # cache_aware: least share of the prompt a match must cover
-    cache_bound: float = 1.5  # cache_aware: affinity holds while load <= bound x (mean + 1)
+    cache_threshold: float = POLICY.cache_threshold
+    cache_bound: float = POLICY.cache_bound
     max_body: int = 32 << 20
     backlog: int = 4096
     attempts: int = 3  # tries per request before the first byte, each on another target
@@ -66,12 +70,12 @@ class RouterConfig:
     queue_timeout: float = 30.0  # seconds one waits for a slot before a 429
     retry_backoff: float = 0.02  # seconds before the 2nd attempt, doubling, at most 1 s
     total_timeout: float = 0.0  # seconds one attempt may take in all, stream included; 0: none
-    breaker_failures: int = 5  # consecutive failures that take a target out; 0: never
-    breaker_cooldown: float = 10.0  # seconds out before a half-open trial
-    health_interval: float = 5.0  # seconds between health checks of each worker; 0: off
-    health_failures: int = 3  # consecutive failed checks that take a worker out
-    health_successes: int = 2  # consecutive good checks that take it back
-    health_timeout: float = 2.0  # seconds one check may take
+    breaker_failures: int = BREAKER.failures
+    breaker_cooldown: float = BREAKER.cooldown
+    health_interval: float = MONITOR.health_interval
+    health_failures: int = MONITOR.health_failures
+    health_successes: int = MONITOR.health_successes
+    health_timeout: float = MONITOR.health_timeout
     first_byte_timeout: float = 0.0  # seconds to the answer's headers; 0: --read-timeout
     grace: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     # seconds between scrapes of engine-reported load; 0: off; None: 1, or 0.25 with
@@ -99,11 +103,11 @@ class RouterConfig:
     # each model's tokenizer directory, as [MODEL=]DIR (no MODEL: any model without its own)
     tokenizers: tuple[str, ...] = ()
     kv_capacity: int = 4_000_000  # blocks the KV-event index holds at most, over all ranks
-    prefix_weight: float = 4.0  # prefix: the score's weights (docs/kv-events.md)
-    prefix_bound: float = 1.5
-    load_weight: float = 1.0
-    token_weight: float = 1.0
-    queue_weight: float = 1.0
+    prefix_weight: float = POLICY.prefix_weight  # prefix: the score's (docs/kv-events.md)
+    prefix_bound: float = POLICY.prefix_bound
+    load_weight: float = POLICY.load_weight
+    token_weight: float = POLICY.token_weight
+    queue_weight: float = POLICY.queue_weight
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property

@@ -6,10 +6,12 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
+from click.decorators import FC
 
 from dprouter.config import RouterConfig, load_file, validate
 from dprouter.core import gc_tuning
@@ -21,6 +23,17 @@ from dprouter.policies import POLICIES
 from dprouter.server.app import Router
 
 log = logging.getLogger("dprouter")
+
+
+def option(flag: str, name: str | None = None, **kw: Any) -> Callable[[FC], FC]:
+    """An option of ``RouterConfig``: its default is the field's, stated there alone, and
+    shown in ``--help`` (a flag's and an unset one's are not)."""
+    field = name or flag.lstrip("-").replace("-", "_")
+    default = RouterConfig.__dataclass_fields__[field].default
+    if field == "processes":
+        default = str(default)  # N or auto: the option takes text
+    show = default is not None and not kw.get("is_flag", False) and default != ()
+    return click.option(flag, field, default=default, show_default=show, **kw)
 
 
 def make_config(
@@ -57,64 +70,53 @@ def make_config(
     type=click.Path(exists=True, path_type=Path),
     help="TOML file with router options and [[workers]] tables.",
 )
-@click.option(
+@option(
     "--discovery",
-    default=None,
     metavar="etcd://HOST:PORT[,HOST:PORT...]/PREFIX|k8s",
-    help="Also take workers from etcd (one key per worker under PREFIX; see dprouter register) "
-    "or from Kubernetes pods (k8s).",
+    help=(
+        "Also take workers from etcd (one key per worker under PREFIX; see dprouter register) or "
+        "from Kubernetes pods (k8s)."
+    ),
 )
-@click.option(
+@option(
     "--selector",
-    default=None,
     metavar="K=V[,K=V...]",
     help="k8s: label selector of the engine pods (applied by the API server).",
 )
-@click.option(
+@option(
     "--namespace",
-    default=None,
     help="k8s: the pods' namespace (default: the router pod's own, or the kubeconfig context's).",
 )
-@click.option(
+@option(
     "--pod-port",
     type=click.IntRange(1, 65535),
-    default=None,
     help="k8s: the engine's port in each pod (default: the pod's dprouter/ports annotation).",
 )
-@click.option(
+@option(
     "--prefill-selector",
-    default=None,
     metavar="K=V[,K=V...]",
     help="k8s with --pd: pods matching it are prefill workers.",
 )
-@click.option(
+@option(
     "--decode-selector",
-    default=None,
     metavar="K=V[,K=V...]",
     help="k8s with --pd: pods matching it are decode workers.",
 )
-@click.option(
+@option(
     "--bootstrap-port-annotation",
-    default="sglang.ai/bootstrap-port",
-    show_default=True,
     help="k8s: the pod annotation holding an SGLang prefill's bootstrap port.",
 )
-@click.option(
+@option(
     "--kubeconfig",
-    default=None,
     metavar="FILE",
     help="k8s outside a pod: the kubeconfig (default $KUBECONFIG, else ~/.kube/config).",
 )
-@click.option(
+@option(
     "--resync",
     type=click.FloatRange(min=0, min_open=True),
-    default=60.0,
-    show_default=True,
     help="k8s: seconds between whole re-lists of the pods, whatever the watch said.",
 )
-@click.option(
-    "--pd", type=click.Choice(PD_MODES), default=None, help="Prefill/decode disaggregation flow."
-)
+@option("--pd", type=click.Choice(PD_MODES), help="Prefill/decode disaggregation flow.")
 @click.option(
     "--prefill",
     "prefills",
@@ -125,316 +127,244 @@ def make_config(
 @click.option(
     "--decode", "decodes", multiple=True, metavar="URL[,key=value...]", help="A decode engine."
 )
-@click.option(
+@option(
     "--prefill-policy",
     type=click.Choice(list(POLICIES)),
-    default=None,
     help="P/D: policy over prefill targets (default --policy).",
 )
-@click.option(
+@option(
     "--decode-policy",
     type=click.Choice(list(POLICIES)),
-    default=None,
     help="P/D: policy over decode targets (default --policy).",
 )
-@click.option(
-    "--registration",
-    default="tcp://127.0.0.1:36367",
-    show_default=True,
-    help="MoRIIO: the ZMQ address instances register at.",
-)
-@click.option(
+@option("--registration", help="MoRIIO: the ZMQ address instances register at.")
+@option(
     "--heartbeat-timeout",
     type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
     help="MoRIIO: expire an instance silent this long.",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option(
+@option("--host", help="Address to listen on.")
+@option(
     "--port",
     type=click.IntRange(0, 65535),
-    default=8080,
-    show_default=True,
     help="Port to listen on (0: any free port; the log says which).",
 )
-@click.option(
+@option(
     "--processes",
-    default="1",
-    show_default=True,
     metavar="N|auto",
     help="Serving processes on the port, sharing one view of load (auto: one per core).",
 )
-@click.option(
+@option(
     "--policy",
     type=click.Choice(list(POLICIES)),
-    default=None,
     help="Default round_robin (manual with --sessions).",
 )
-@click.option(
+@option(
     "--assignment",
     type=click.Choice(["random", "min_load", "min_group"]),
-    default=None,
     help="How manual places a new routing key.",
 )
-@click.option(
+@option(
     "--tokenizer",
     "tokenizers",
     multiple=True,
     metavar="[MODEL=]DIR",
-    help="A model's tokenizer directory (tokenizer.json, tokenizer_config.json), loaded at "
-    "start-up, never from a hub; without MODEL= for any model without its own. For --policy "
-    "prefix.",
+    help=(
+        "A model's tokenizer directory (tokenizer.json, tokenizer_config.json), loaded at start-up,"
+        " never from a hub; without MODEL= for any model without its own. For --policy prefix."
+    ),
 )
-@click.option(
+@option(
     "--kv-capacity",
     type=click.IntRange(min=1),
-    default=4_000_000,
-    show_default=True,
     help="prefix: blocks the KV-event index holds at most, over all ranks (~200 B each).",
 )
-@click.option(
+@option(
     "--cache-threshold",
     type=click.FloatRange(0, 1),
-    default=0.5,
-    show_default=True,
     help="cache_aware: least share of the prompt a target's remembered prefix must cover.",
 )
-@click.option(
+@option(
     "--cache-bound",
     type=click.FloatRange(min=0),
-    default=1.5,
-    show_default=True,
     help="cache_aware: affinity holds while the target's load <= this x (mean load + 1).",
 )
-@click.option(
+@option(
     "--prefix-weight",
     type=click.FloatRange(min=0),
-    default=4.0,
-    show_default=True,
     help="prefix: worth of a target holding the whole prompt (docs/kv-events.md).",
 )
-@click.option(
+@option(
     "--prefix-bound",
     type=click.FloatRange(min=0),
-    default=1.5,
-    show_default=True,
     help="prefix: a held prefix counts while the target's load <= this x (mean load + 1).",
 )
-@click.option(
+@option(
     "--load-weight",
     type=click.FloatRange(min=0),
-    default=1.0,
-    show_default=True,
     help="prefix: cost of requests in flight, relative to the mean + 1.",
 )
-@click.option(
+@option(
     "--token-weight",
     type=click.FloatRange(min=0),
-    default=1.0,
-    show_default=True,
     help="prefix: cost of tokens in flight, relative to the mean + the prompt's.",
 )
-@click.option(
+@option(
     "--queue-weight",
     type=click.FloatRange(min=0),
-    default=1.0,
-    show_default=True,
     help="prefix: cost of prefill sent to a target and not yet stored, in prompts like this one.",
 )
-@click.option("--sessions", is_flag=True, help="Clients send routing keys: keep them sticky.")
-@click.option(
+@option("--sessions", is_flag=True, help="Clients send routing keys: keep them sticky.")
+@option(
     "--dp-aware",
     type=click.Choice(["auto", "off"]),
-    default="auto",
-    show_default=True,
     help="Route to ranks of DP engines (off: engines pick).",
 )
-@click.option("--trust-client-rank", is_flag=True, help="Keep rank headers/fields clients send.")
-@click.option(
+@option("--trust-client-rank", is_flag=True, help="Keep rank headers/fields clients send.")
+@option(
     "--forward-authorization",
     is_flag=True,
     help="Pass clients' Authorization header on to the engines.",
 )
-@click.option(
-    "--seed", type=int, default=0, show_default=True, help="Seed of the random policies' choices."
-)
-@click.option(
+@option("--seed", type=int, help="Seed of the random policies' choices.")
+@option(
     "--key-ttl",
     type=click.FloatRange(min=0),
-    default=3600.0,
-    show_default=True,
     help="manual: forget a routing key idle this many seconds.",
 )
-@click.option(
+@option(
     "--session-bound",
     type=click.FloatRange(min=0),
-    default=1.5,
-    show_default=True,
-    help="manual: a routing key moves off its target once that target's load reaches this "
-    "many times the mean load + 2 (0: keys never move for load).",
+    help=(
+        "manual: a routing key moves off its target once that target's load reaches this many times"
+        " the mean load + 2 (0: keys never move for load)."
+    ),
 )
-@click.option(
+@option(
     "--output-budget",
     type=click.Choice(["typical", "cap"]),
-    default="typical",
-    show_default=True,
-    help="The output tokens a request is counted by (min_tokens, prefix, token load): "
-    "min(max_tokens, the typical length of the answers seen), or max_tokens as sent (for "
-    "clients whose max_tokens is the length they expect).",
+    help=(
+        "The output tokens a request is counted by (min_tokens, prefix, token load): "
+        "min(max_tokens, the typical length of the answers seen), or max_tokens as sent (for "
+        "clients whose max_tokens is the length they expect)."
+    ),
 )
-@click.option(
-    "--max-body",
-    type=click.IntRange(min=1),
-    default=32 << 20,
-    show_default=True,
-    help="Largest request body in bytes (413 beyond).",
+@option(
+    "--max-body", type=click.IntRange(min=1), help="Largest request body in bytes (413 beyond)."
 )
-@click.option(
+@option(
     "--backlog",
     type=click.IntRange(min=1),
-    default=4096,
-    show_default=True,
     help="Listen backlog: a burst queues here instead of being reset.",
 )
-@click.option(
+@option(
     "--attempts",
     type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
     help="Tries per request before its first byte, each on another target.",
 )
-@click.option(
+@option(
     "--retry-backoff",
     type=click.FloatRange(min=0),
-    default=0.02,
-    show_default=True,
     help="Seconds before a second attempt, doubling per attempt, jittered, at most 1 s.",
 )
-@click.option(
+@option(
     "--total-timeout",
     type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
     help="Seconds one attempt may take in all, a stream included (0: no limit).",
 )
-@click.option(
+@option(
     "--max-concurrent",
     type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
     help="Requests in flight at once (0: no cap); beyond it they queue.",
 )
-@click.option(
+@option(
     "--queue-size",
     type=click.IntRange(min=0),
-    default=1024,
-    show_default=True,
     help="Requests waiting for a slot at most; beyond it: 429 with Retry-After.",
 )
-@click.option(
+@option(
     "--queue-timeout",
     type=click.FloatRange(min=0),
-    default=30.0,
-    show_default=True,
     help="Seconds a queued request waits for a slot before a 429.",
 )
-@click.option(
+@option(
     "--breaker-failures",
     type=click.IntRange(min=0),
-    default=5,
-    show_default=True,
     help="Consecutive failures that take a target (one rank) out (0: never).",
 )
-@click.option(
+@option(
     "--breaker-cooldown",
     type=click.FloatRange(min=0),
-    default=10.0,
-    show_default=True,
     help="Seconds a target stays out before a half-open trial.",
 )
-@click.option(
+@option(
     "--health-interval",
     type=click.FloatRange(min=0),
-    default=5.0,
-    show_default=True,
     help="Seconds between GET /health of each worker (0: off).",
 )
-@click.option(
+@option(
     "--health-failures",
     type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
     help="Consecutive failed health checks that take a worker out.",
 )
-@click.option(
+@option(
     "--health-successes",
     type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
     help="Consecutive good health checks that take a worker back.",
 )
-@click.option(
+@option(
     "--health-timeout",
     type=click.FloatRange(min=0, min_open=True),
-    default=2.0,
-    show_default=True,
     help="Seconds one health check may take.",
 )
-@click.option(
+@option(
     "--connect-timeout",
     type=click.FloatRange(min=0, min_open=True),
-    default=5.0,
-    show_default=True,
     help="Seconds to open a connection to an engine; then retried elsewhere.",
 )
-@click.option(
+@option(
     "--first-byte-timeout",
     type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
     help="Seconds until an engine's answer starts (0: --read-timeout); then retried elsewhere.",
 )
-@click.option(
+@option(
     "--grace",
     type=click.FloatRange(min=0),
-    default=30.0,
-    show_default=True,
     help="On SIGTERM, seconds in-flight requests get to finish (a second signal: at once).",
 )
-@click.option(
+@option(
     "--load-interval",
     type=click.FloatRange(min=0),
-    default=None,
-    help="Seconds between scrapes of engine-reported load (0: off). Default 1, or 0.25 with "
-    "--discovery.",
+    help=(
+        "Seconds between scrapes of engine-reported load (0: off). Default 1, or 0.25 with "
+        "--discovery."
+    ),
 )
-@click.option(
+@option(
     "--read-timeout",
     type=click.FloatRange(min=0),
-    default=600.0,
-    show_default=True,
     help="Seconds without a byte from the engine before the attempt fails (0: none).",
 )
-@click.option(
+@option(
     "--startup-timeout",
     type=click.FloatRange(min=0),
-    default=10.0,
-    show_default=True,
-    help="Seconds to wait for discovery before refusing misconfigured workers and logging the "
-    "targets; the router listens meanwhile (503 until a worker is ready).",
+    help=(
+        "Seconds to wait for discovery before refusing misconfigured workers and logging the "
+        "targets; the router listens meanwhile (503 until a worker is ready)."
+    ),
 )
-@click.option(
+@option(
     "--admin-token",
     envvar="DPROUTER_ADMIN_TOKEN",
-    default=None,
     help="Enables /workers; also read from DPROUTER_ADMIN_TOKEN.",
 )
-@click.option(
+@option(
     "--dashboard",
     is_flag=True,
-    help="Serve the live view at /dashboard and its JSON at /dashboard/data (behind "
-    "--admin-token when set).",
+    help=(
+        "Serve the live view at /dashboard and its JSON at /dashboard/data (behind --admin-token "
+        "when set)."
+    ),
 )
 @click.option(
     "--log-level",

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class AdmissionOptions:
-    limit: int = 0  # requests in flight at once; 0: no cap
-    queue: int = 0  # requests waiting for a slot at most
-    wait: float = 30.0  # seconds a request waits for a slot before it is refused
+    """As ``RouterConfig`` says (``--max-concurrent``, ``--queue-size``, ``--queue-timeout``)."""
+
+    limit: int  # requests in flight at once; 0: no cap
+    queue: int  # requests waiting for a slot at most
+    wait: float  # seconds a request waits for a slot before it is refused
 
 
 class Admission:
