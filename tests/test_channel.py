@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from dprouter.multiproc.follower import Channel
+from dprouter.multiproc.control_link import Channel
 from tests.conftest import until
 
 

@@ -33,6 +33,21 @@ from dprouter.proxy.routing_keys import Claims, claims
 from dprouter.server.admin import Admin
 
 log = logging.getLogger("dprouter.control")
+
+# -- the protocol: HTTP over the parent's Unix socket -----------------------------------
+BASE = "http://control"  # the host is ignored: the connector dials the Unix socket
+STATE = "/control/state"  # GET ?row=R: a state now, one after each change, and SEEN lines
+EVENTS = "/control/events"  # POST a batch of events: [{"kind": ..., ...}]
+PLACE = "/control/place"  # POST {"key", "slots", "role"} -> {"slot"}: where a key goes
+RESPONSES = "/control/responses"  # POST {"id", "label"}; GET /ID -> {"label"}
+DASHBOARD = "/control/dashboard"  # GET -> {"sessions", "started"}
+# the admin API's own paths (/workers...) are relayed to the parent as they come
+# events a serving process sends, and what each carries besides its kind
+LISTENING = "listening"  # "row": it listens on the port
+SUSPECT = "suspect"  # "worker": it refused a connection
+FAILED, SUCCEEDED = "failed", "succeeded"  # "slot": an attempt's outcome, for the breakers
+REST = "rest"  # "slot", "seconds": the engine asked for a pause (Retry-After)
+SEEN = "seen"  # "row", "slot", "blocks": cache_aware sent a prompt's blocks there
 # what a serving process needs to know of a worker, besides its targets
 WORKER_FIELDS = (
     "id",
@@ -73,6 +88,30 @@ def encode(registry: Registry, breakers: Breakers) -> bytes:
     return orjson.dumps({"workers": workers, "stale": registry.stale}) + b"\n"
 
 
+def apply(registry: Registry, state: dict[str, Any]) -> None:
+    """Make ``registry`` what the parent's is. Worker and target objects are kept while
+    their slots are (policies hold on to targets: a sticky key must not see a new one)."""
+    workers: dict[str, Worker] = {}
+    registry.stale = state.get("stale", False)
+    for found in state["workers"]:
+        worker = registry.workers.get(found["id"])
+        if worker is None or worker.slot != found["slot"]:
+            worker = Worker(id=found["id"], url=found["url"], board=registry.board)
+        for name in WORKER_FIELDS:
+            value = found[name]
+            setattr(worker, name, tuple(value) if name == "models" else value)
+        have = {t.slot: t for t in worker.targets}
+        targets = []
+        for rank, slot, tripped, _ in found["targets"]:
+            target = have.get(slot) or Target(worker, rank, registry.board, slot)
+            target.tripped = tripped
+            targets.append(target)
+        worker.targets = targets
+        workers[worker.id] = worker
+    registry.workers = workers
+    registry.rebuild()
+
+
 class ControlPlane:
     def __init__(
         self, config: RouterConfig, registry: Registry, monitor: Monitor, breakers: Breakers
@@ -98,12 +137,12 @@ class ControlPlane:
         self.app = web.Application(client_max_size=config.max_body)
         self.app.add_routes(
             [
-                web.get("/control/state", self.state),
-                web.post("/control/events", self.events),
-                web.post("/control/place", self.place),
-                web.post("/control/responses", self.response_noted),
-                web.get("/control/responses/{id}", self.response_found),
-                web.get("/control/dashboard", self.dashboard),
+                web.get(STATE, self.state),
+                web.post(EVENTS, self.events),
+                web.post(PLACE, self.place),
+                web.post(RESPONSES, self.response_noted),
+                web.get(RESPONSES + "/{id}", self.response_found),
+                web.get(DASHBOARD, self.dashboard),
                 *Admin(config, registry, monitor, self.sources).routes(),
             ]
         )
@@ -169,14 +208,14 @@ class ControlPlane:
         seen: list[list[Any]] = []
         for event in orjson.loads(await request.read()):
             kind = event["kind"]
-            if kind == "seen":
+            if kind == SEEN:
                 seen.append([event["row"], event["slot"], event["blocks"]])
                 continue
-            if kind == "listening":
+            if kind == LISTENING:
                 self.listening.add(int(event["row"]))
                 self.joined.set()
                 continue
-            if kind == "suspect":
+            if kind == SUSPECT:
                 worker = self.registry.workers.get(event["worker"])
                 if worker is not None:
                     self.monitor.suspect(worker)
@@ -184,12 +223,12 @@ class ControlPlane:
             target: Target | None = by_slot.get(event["slot"])
             if target is None:
                 continue  # its worker left meanwhile
-            if kind == "failed":
+            if kind == FAILED:
                 failed = True
                 self.breakers.failed(target)
-            elif kind == "succeeded":
+            elif kind == SUCCEEDED:
                 self.breakers.succeeded(target)
-            elif kind == "rest":
+            elif kind == REST:
                 self.breakers.rest(target, float(event["seconds"]))
         if failed:
             self.changed()  # followers learn which targets are failing: a success resets them
@@ -201,7 +240,7 @@ class ControlPlane:
         """To every other serving process: where prompts went, so that each process's
         ``cache_aware`` knows what all of them sent (a batch comes from one process)."""
         row = seen[0][0]
-        line = orjson.dumps({"seen": [[slot, blocks] for _, slot, blocks in seen]}) + b"\n"
+        line = orjson.dumps({SEEN: [[slot, blocks] for _, slot, blocks in seen]}) + b"\n"
         for other, queue in self._followers.items():
             if other != row:
                 queue.put_nowait(line)

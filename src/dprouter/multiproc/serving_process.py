@@ -18,7 +18,8 @@ from dprouter.core import gc_tuning
 from dprouter.fleet.board import Board
 from dprouter.fleet.board_lock import BoardLock, Semaphore
 from dprouter.fleet.registry import Registry
-from dprouter.multiproc.follower import Channel, ControlLink, Follower
+from dprouter.multiproc.control import LISTENING
+from dprouter.multiproc.control_link import Channel, ControlLink, Follower
 from dprouter.server.app import Router
 
 log = logging.getLogger("dprouter")
@@ -75,7 +76,7 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
     try:
         await router.start()
         gc_tuning.tune()
-        channel.send({"kind": "listening", "row": seat.row})
+        channel.send({"kind": LISTENING, "row": seat.row})
         await stop.wait()
         log.info("serving process %d stopping", seat.row)
     finally:

@@ -36,7 +36,7 @@ from dprouter.server.loop_lag import LoopLag
 class Control(Protocol):
     """What a serving process of ``--processes N`` shares with the others through the
     parent's control plane, which runs discovery, breakers, the admin API and the routing
-    keys' table once for all of them (``multiproc/follower.py`` implements it)."""
+    keys' table once for all of them (``multiproc/control_link.py`` implements it)."""
 
     processes: int  # serving processes in all
 

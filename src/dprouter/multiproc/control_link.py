@@ -1,12 +1,13 @@
-"""A serving process of ``--processes N``: it follows the control plane.
+"""A serving process's link to the control plane of ``--processes N``: it follows.
 
 ``Channel`` is the Unix-socket link to the parent. ``Follower`` stands where a
 ``Monitor`` stands in one process: it applies each state the parent streams to
 a registry of its own (same slots, so the board's counts line up) and passes
 refused connections up. ``SharedBreakers`` passes attempts' outcomes up; the
 parent decides and the next state says which targets are out. ``AdminRelay``
-passes admin calls to the parent's admin API (``placer`` asks it where a new
-routing key goes).
+passes admin calls to the parent's admin API, ``Placer`` asks it where a new
+routing key goes, ``SharedResponseIds`` where a stored response is. ``ControlLink``
+hands them to the router (``server.parts.Control``). The protocol: ``control``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,20 @@ from dprouter.fleet.breakers import BreakerOptions, Breakers
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target, Worker
-from dprouter.multiproc.control import WORKER_FIELDS
+from dprouter.multiproc.control import (
+    BASE,
+    DASHBOARD,
+    EVENTS,
+    FAILED,
+    PLACE,
+    RESPONSES,
+    REST,
+    SEEN,
+    STATE,
+    SUCCEEDED,
+    SUSPECT,
+    apply,
+)
 from dprouter.policies import RequestInfo
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
@@ -37,7 +51,6 @@ from dprouter.proxy.response_ids import ResponseIds
 from dprouter.proxy.routing_keys import Places
 
 log = logging.getLogger("dprouter.follower")
-BASE = "http://control"  # the host is ignored: the connector dials the Unix socket
 
 
 class Channel:
@@ -62,9 +75,7 @@ class Channel:
         while self._queue:  # what was queued during a post goes next
             batch, self._queue = self._queue, []
             try:
-                async with self.session.post(
-                    BASE + "/control/events", data=orjson.dumps(batch)
-                ) as r:
+                async with self.session.post(BASE + EVENTS, data=orjson.dumps(batch)) as r:
                     await r.read()
             except aiohttp.ClientError as exc:
                 log.warning("control plane unreachable (%s): %d event(s) lost", exc, len(batch))
@@ -73,30 +84,6 @@ class Channel:
         if self._flush is not None:
             await asyncio.gather(self._flush, return_exceptions=True)
         await self.session.close()
-
-
-def apply(registry: Registry, state: dict[str, Any]) -> None:
-    """Make ``registry`` what the parent's is. Worker and target objects are kept while
-    their slots are (policies hold on to targets: a sticky key must not see a new one)."""
-    workers: dict[str, Worker] = {}
-    registry.stale = state.get("stale", False)
-    for found in state["workers"]:
-        worker = registry.workers.get(found["id"])
-        if worker is None or worker.slot != found["slot"]:
-            worker = Worker(id=found["id"], url=found["url"], board=registry.board)
-        for name in WORKER_FIELDS:
-            value = found[name]
-            setattr(worker, name, tuple(value) if name == "models" else value)
-        have = {t.slot: t for t in worker.targets}
-        targets = []
-        for rank, slot, tripped, _ in found["targets"]:
-            target = have.get(slot) or Target(worker, rank, registry.board, slot)
-            target.tripped = tripped
-            targets.append(target)
-        worker.targets = targets
-        workers[worker.id] = worker
-    registry.workers = workers
-    registry.rebuild()
 
 
 class Follower(Monitor):
@@ -127,16 +114,16 @@ class Follower(Monitor):
 
     def suspect(self, worker: Worker) -> None:
         if worker.ready:
-            self.channel.send({"kind": "suspect", "worker": worker.id})
+            self.channel.send({"kind": SUSPECT, "worker": worker.id})
 
     async def _read(self, first: asyncio.Future[None]) -> None:
         try:
-            url = f"{BASE}/control/state?row={self.row}"
+            url = f"{BASE}{STATE}?row={self.row}"
             async with self.channel.session.get(url) as r:
                 async for line in r.content:
                     state = orjson.loads(line)
-                    if "seen" in state:
-                        self._seen(state["seen"])
+                    if SEEN in state:
+                        self._seen(state[SEEN])
                         continue
                     apply(self.registry, state)
                     self.failing = {t[1] for w in state["workers"] for t in w["targets"] if t[3]}
@@ -178,16 +165,16 @@ class SharedBreakers(Breakers):
         failing = self.follower.failing
         if failing and target.slot in failing:  # the common case costs one test
             failing.discard(target.slot)
-            self.follower.channel.send({"kind": "succeeded", "slot": target.slot})
+            self.follower.channel.send({"kind": SUCCEEDED, "slot": target.slot})
 
     def failed(self, target: Target) -> None:
         if self.options.failures > 0 and not target.tripped:
             self.follower.failing.add(target.slot)
-            self.follower.channel.send({"kind": "failed", "slot": target.slot})
+            self.follower.channel.send({"kind": FAILED, "slot": target.slot})
 
     def rest(self, target: Target, seconds: float) -> None:
         if not target.tripped:
-            self.follower.channel.send({"kind": "rest", "slot": target.slot, "seconds": seconds})
+            self.follower.channel.send({"kind": REST, "slot": target.slot, "seconds": seconds})
 
 
 class AdminRelay:
@@ -237,9 +224,7 @@ class Placer:
         if held is not None and held[0] in targets and info.now - self._asked[key] < self.fresh:
             return
         asked = {"key": key, "slots": [t.slot for t in targets], "role": self.role}
-        async with self.channel.session.post(
-            BASE + "/control/place", data=orjson.dumps(asked)
-        ) as r:
+        async with self.channel.session.post(BASE + PLACE, data=orjson.dumps(asked)) as r:
             if r.status != 200:
                 return  # the local table decides this once
             slot = orjson.loads(await r.read())["slot"]
@@ -266,7 +251,7 @@ class SharedResponseIds(ResponseIds):
         self.put(rid, label)
         said = orjson.dumps({"id": rid, "label": label})
         try:
-            async with self.channel.session.post(BASE + "/control/responses", data=said) as r:
+            async with self.channel.session.post(BASE + RESPONSES, data=said) as r:
                 await r.read()
         except aiohttp.ClientError:
             pass  # this process still knows it
@@ -276,7 +261,7 @@ class SharedResponseIds(ResponseIds):
         if label is not None:
             return label
         try:
-            async with self.channel.session.get(BASE + "/control/responses/" + rid) as r:
+            async with self.channel.session.get(BASE + RESPONSES + "/" + rid) as r:
                 if r.status != 200:
                     return None
                 label = str(orjson.loads(await r.read())["label"])
@@ -314,7 +299,7 @@ class ControlLink:
         row, channel = self.follower.row, self.channel
 
         def tell(target: Target, blocks: list[int]) -> None:
-            channel.send({"kind": "seen", "row": row, "slot": target.slot, "blocks": blocks})
+            channel.send({"kind": SEEN, "row": row, "slot": target.slot, "blocks": blocks})
 
         policy.tell = tell
         self.follower.on_seen = policy.learn
@@ -323,7 +308,7 @@ class ControlLink:
         """Routing keys held, and when the router started: the parent holds the keys'
         table and outlives any serving process (0 and now when it cannot say)."""
         try:
-            async with self.channel.session.get(BASE + "/control/dashboard") as r:
+            async with self.channel.session.get(BASE + DASHBOARD) as r:
                 said = orjson.loads(await r.read())
             return int(said["sessions"]), float(said["started"])
         except (aiohttp.ClientError, KeyError, orjson.JSONDecodeError):
