@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dprouter.config import RouterConfig
 from dprouter.core.net import bind, url_of
 from dprouter.fleet.worker_spec import WorkerSpec
-from dprouter.server.app import Router
+from dprouter.server.router import Router
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig
 

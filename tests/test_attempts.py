@@ -19,7 +19,7 @@ from dprouter.core.net import bind, url_of
 from dprouter.core.types import PdMode, Role
 from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import WorkerSpec
-from dprouter.server.app import Router
+from dprouter.server.router import Router
 from dprouter.sim.config import EngineConfig, PdConfig
 from dprouter.sim.server import SimServer
 from tests.conftest import StartCluster, StartRouter, until

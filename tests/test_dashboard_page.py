@@ -19,7 +19,7 @@ import pytest
 
 from dprouter.cli.demo import demo_cluster
 from dprouter.config import RouterConfig
-from dprouter.server.app import Router
+from dprouter.server.router import Router
 from tests.cdp import CHROMIUM, Page, chromium
 from tests.conftest import StartCluster, StartRouter, background, until, workers
 

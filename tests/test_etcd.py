@@ -24,7 +24,7 @@ from dprouter.config import RouterConfig, parse_discovery
 from dprouter.core.errors import ConfigError
 from dprouter.fleet.membership.etcd_client import Etcd
 from dprouter.multiproc.supervisor import Supervisor
-from dprouter.server.app import Router
+from dprouter.server.router import Router
 from dprouter.sim.config import EngineConfig, Faults
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 from tests.test_cli import _serve, listening

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from dprouter.config import RouterConfig
-from dprouter.server.app import Router
+from dprouter.server.router import Router
 from dprouter.sim.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, serving, workers
 

@@ -24,7 +24,7 @@ from dprouter.core.tokenizer import ModelTokenizer
 from dprouter.engines.kvevents.feed import Feed
 from dprouter.engines.kvevents.keys import prompt_keys
 from dprouter.fleet.worker_spec import WorkerSpec
-from dprouter.server.app import Router
+from dprouter.server.router import Router
 from dprouter.sim.config import EngineConfig, RankLimits
 from dprouter.sim.kvevents import Encoding, KvEventsConfig
 from dprouter.sim.prefix import block_hashes

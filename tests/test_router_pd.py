@@ -17,7 +17,7 @@ from aiohttp import web
 from dprouter.config import RouterConfig
 from dprouter.core.types import PdMode
 from dprouter.fleet.worker_spec import WorkerSpec
-from dprouter.server.app import Router
+from dprouter.server.router import Router
 from dprouter.sim.config import EngineConfig, Faults, PdConfig
 from dprouter.sim.server import SimServer
 from tests.conftest import (

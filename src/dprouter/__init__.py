@@ -7,6 +7,7 @@ by ``import dprouter``.
 
 from dprouter.config import RouterConfig
 from dprouter.fleet.worker_spec import WorkerSpec
-from dprouter.server.app import Router, build_app
+from dprouter.server.app import build_app
+from dprouter.server.router import Router
 
 __all__ = ["Router", "RouterConfig", "WorkerSpec", "build_app"]

@@ -21,7 +21,7 @@ import click
 
 from dprouter.config import RouterConfig
 from dprouter.fleet.worker_spec import WorkerSpec
-from dprouter.server.app import Router
+from dprouter.server.router import Router
 from dprouter.sim.cluster import SimCluster
 from dprouter.sim.config import EngineConfig, RankLimits
 from dprouter.sim.kvevents import KvEventsConfig

@@ -20,7 +20,7 @@ from dprouter.core.types import PD_MODES, ROLES
 from dprouter.fleet.worker_spec import parse_worker
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.policies import POLICIES
-from dprouter.server.app import Router
+from dprouter.server.router import Router
 
 log = logging.getLogger("dprouter")
 

@@ -20,7 +20,8 @@ from dprouter.fleet.board_lock import BoardLock, Semaphore
 from dprouter.fleet.registry import Registry
 from dprouter.multiproc.control import LISTENING
 from dprouter.multiproc.control_link import Channel, ControlLink, Follower
-from dprouter.server.app import Router
+from dprouter.server.app import build_app
+from dprouter.server.router import Router
 
 log = logging.getLogger("dprouter")
 
@@ -65,7 +66,7 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
     registry = Registry(dp_aware=seat.config.dp_aware != "off", board=board)
     channel = Channel(seat.control)
     follower = Follower(registry, channel, seat.row)
-    router = Router(
+    app = build_app(
         seat.config,
         registry=registry,
         monitor=follower,
@@ -73,6 +74,7 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
         metrics_dir=seat.metrics,
         lock=board.lock,
     )
+    router = Router(seat.config, app=app)
     try:
         await router.start()
         gc_tuning.tune()

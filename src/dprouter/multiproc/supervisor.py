@@ -23,16 +23,16 @@ import socket
 import tempfile
 from dataclasses import replace
 from multiprocessing.shared_memory import SharedMemory
-from types import TracebackType
 
 from prometheus_client.multiprocess import mark_process_dead
 
 from dprouter.config import RouterConfig, validate
 from dprouter.core.net import bind, url_of
+from dprouter.core.service import Service
 from dprouter.fleet.board import Board, size_of
 from dprouter.fleet.board_lock import BoardLock, hand_back
 from dprouter.fleet.breakers import Breakers
-from dprouter.fleet.membership import read_within
+from dprouter.fleet.membership import settled
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry, worker_from_spec
 from dprouter.multiproc.serving_process import Seat, main
@@ -43,7 +43,7 @@ START_TIMEOUT = 60.0  # seconds for every serving process to listen
 REAP = 5.0  # seconds an ended serving process may take to finish exiting
 
 
-class Supervisor:
+class Supervisor(Service):
     """The parent: same surface as ``Router`` (start, stop, settled, url, registry)."""
 
     def __init__(self, config: RouterConfig) -> None:
@@ -192,16 +192,4 @@ class Supervisor:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     async def settled(self, seconds: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + seconds
-        read = await read_within(self.control.sources, seconds)
-        return await self.monitor.settled_within(max(deadline - loop.time(), 0.0)) and read
-
-    async def __aenter__(self) -> Supervisor:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
+        return await settled(self.control.sources, self.monitor, seconds)

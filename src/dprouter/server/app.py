@@ -1,4 +1,5 @@
-"""Assembling a router: ``build_app`` for the routes, ``Router`` to run one in-process.
+"""Assembling a router: ``build_app`` makes its components and routes; ``router.Router``
+runs one in-process.
 
 Every component is passed in or made here from the configuration -- no
 globals -- so two routers can run side by side in one process.
@@ -6,18 +7,14 @@ globals -- so two routers can run side by side in one process.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 
 from aiohttp import web
 
 from dprouter.config import RouterConfig, sources, validate
 from dprouter.core.errors import ConfigError, TokenizerError, error
-from dprouter.core.log_filter import quiet_malformed
-from dprouter.core.net import bind, check_backlog, url_of
 from dprouter.core.types import Role
 from dprouter.engines.kvevents import prompt
 from dprouter.engines.kvevents.feed import Feed
@@ -26,7 +23,6 @@ from dprouter.engines.kvevents.lookup import Lookup
 from dprouter.engines.kvevents.metrics import KvCollector
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.breakers import Breakers
-from dprouter.fleet.membership import read_within
 from dprouter.fleet.membership.moriio import Registration
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry, worker_from_spec
@@ -225,105 +221,3 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.lookup.close()
         parts.breakers.stop()
         await session.close()
-
-
-class Router:
-    """A router listening on loopback (or wherever the config says), in this process."""
-
-    def __init__(
-        self,
-        config: RouterConfig,
-        *,
-        registry: Registry | None = None,
-        policy: Policy | None = None,
-        monitor: Monitor | None = None,
-        control: Control | None = None,
-        metrics_dir: str | None = None,
-        lock: BoardLock | None = None,
-    ) -> None:
-        self.app = build_app(
-            config,
-            registry=registry,
-            policy=policy,
-            monitor=monitor,
-            control=control,
-            metrics_dir=metrics_dir,
-            lock=lock,
-        )
-        self.parts = self.app[PARTS]
-        self.config = self.parts.config
-        self.port = self.config.port
-        self._runner: web.AppRunner | None = None
-        self._site: web.SockSite | None = None
-        self._fd = -1  # the listening socket's
-
-    @property
-    def url(self) -> str:
-        return url_of(self.config.host, self.port)
-
-    @property
-    def registry(self) -> Registry:
-        return self.parts.registry
-
-    @property
-    def monitor(self) -> Monitor:
-        return self.parts.monitor
-
-    async def start(self) -> None:
-        for warning in (*self.config.warnings, check_backlog(self.config.backlog)):
-            if warning:
-                log.warning(warning)
-        quiet_malformed()
-        # serving processes of --processes N share the port (the kernel spreads connections)
-        shared = self.parts.control is not None
-        sock = bind(self.config.host, self.port, self.config.backlog, reuse_port=shared)
-        self.port = sock.getsockname()[1]
-        self._fd = sock.fileno()
-        # a client that leaves cancels its handler, which closes the upstream request;
-        # stopping closes the listener first, then gives in-flight requests the grace period
-        # (``Drain``); aiohttp's own shutdown then finds them done
-        self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
-        )
-        await self._runner.setup()
-        self._site = web.SockSite(self._runner, sock)
-        await self._site.start()
-
-    async def stop(self) -> None:
-        """Stop listening; requests in flight get ``config.grace`` seconds, then are cut
-        (``parts.drain.cut`` counts them)."""
-        if self._site is not None:
-            # Stop accepting first, and let the connections just accepted get their transport
-            # before the listener closes: asyncio sets a connection up in a task one loop turn
-            # after accept(), and that task fails if the server has closed meanwhile, leaving
-            # the socket open with nobody reading it (the client hangs until its timeout).
-            asyncio.get_running_loop().remove_reader(self._fd)
-            for _ in range(3):
-                await asyncio.sleep(0)
-            await self._site.stop()
-            self._site = None
-            # then let the handlers of those connections start: aiohttp's shutdown closes idle
-            # connections, but one whose handler has not begun waiting misses that close
-            for _ in range(3):
-                await asyncio.sleep(0)
-        if self._runner is not None:
-            await self.parts.drain.run(self.config.grace)
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def settled(self, seconds: float) -> bool:
-        """Wait for the membership sources' first read, then for discovery of every worker;
-        False if some are still discovering."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + seconds
-        read = await read_within(self.parts.sources, seconds)
-        return await self.monitor.settled_within(max(deadline - loop.time(), 0.0)) and read
-
-    async def __aenter__(self) -> Router:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()

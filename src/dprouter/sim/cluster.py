@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import replace
-from types import TracebackType
 
+from dprouter.core.service import Service
 from dprouter.sim.config import EngineConfig
 from dprouter.sim.server import SimServer
 
@@ -16,7 +16,7 @@ def fleet(count: int, config: EngineConfig) -> list[EngineConfig]:
     return [replace(config) for _ in range(count)]
 
 
-class SimCluster:
+class SimCluster(Service):
     """``async with SimCluster(configs) as cluster:`` starts every engine on loopback.
 
     With ``base_port`` 0 each engine binds a free port (``cluster.urls`` has the
@@ -55,12 +55,3 @@ class SimCluster:
 
     async def stop(self) -> None:
         await asyncio.gather(*(s.stop() for s in self.servers if s.started.is_set()))
-
-    async def __aenter__(self) -> SimCluster:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from dprouter.fleet.monitor import Monitor
+
 
 class Source(Protocol):
     name: str
@@ -41,3 +43,12 @@ async def read_within(sources: Sequence[Source], seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+async def settled(sources: Sequence[Source], monitor: Monitor, seconds: float) -> bool:
+    """Wait for every source's first whole read, then for the discovery of every worker,
+    ``seconds`` in all; False if some are late."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    read = await read_within(sources, seconds)
+    return await monitor.settled_within(max(deadline - loop.time(), 0.0)) and read

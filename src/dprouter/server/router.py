@@ -1,0 +1,94 @@
+"""``Router``: one router listening in this process, over the app ``build_app`` makes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from dprouter.config import RouterConfig
+from dprouter.core.log_filter import quiet_malformed
+from dprouter.core.net import bind, check_backlog, url_of
+from dprouter.core.service import Service
+from dprouter.fleet.membership import settled
+from dprouter.fleet.monitor import Monitor
+from dprouter.fleet.registry import Registry
+from dprouter.server.app import build_app
+from dprouter.server.parts import PARTS
+
+log = logging.getLogger("dprouter")
+
+
+class Router(Service):
+    """A router listening on loopback (or wherever the config says), in this process."""
+
+    def __init__(self, config: RouterConfig, *, app: web.Application | None = None) -> None:
+        """``app``: made by ``build_app`` with components of its own (a serving process of
+        several passes its); by default, one made from ``config`` alone."""
+        self.app = app if app is not None else build_app(config)
+        self.parts = self.app[PARTS]
+        self.config = self.parts.config
+        self.port = self.config.port
+        self._runner: web.AppRunner | None = None
+        self._site: web.SockSite | None = None
+        self._fd = -1  # the listening socket's
+
+    @property
+    def url(self) -> str:
+        return url_of(self.config.host, self.port)
+
+    @property
+    def registry(self) -> Registry:
+        return self.parts.registry
+
+    @property
+    def monitor(self) -> Monitor:
+        return self.parts.monitor
+
+    async def start(self) -> None:
+        for warning in (*self.config.warnings, check_backlog(self.config.backlog)):
+            if warning:
+                log.warning(warning)
+        quiet_malformed()
+        # serving processes of --processes N share the port (the kernel spreads connections)
+        shared = self.parts.control is not None
+        sock = bind(self.config.host, self.port, self.config.backlog, reuse_port=shared)
+        self.port = sock.getsockname()[1]
+        self._fd = sock.fileno()
+        # a client that leaves cancels its handler, which closes the upstream request;
+        # stopping closes the listener first, then gives in-flight requests the grace period
+        # (``Drain``); aiohttp's own shutdown then finds them done
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        self._site = web.SockSite(self._runner, sock)
+        await self._site.start()
+
+    async def stop(self) -> None:
+        """Stop listening; requests in flight get ``config.grace`` seconds, then are cut
+        (``parts.drain.cut`` counts them)."""
+        if self._site is not None:
+            # Stop accepting first, and let the connections just accepted get their transport
+            # before the listener closes: asyncio sets a connection up in a task one loop turn
+            # after accept(), and that task fails if the server has closed meanwhile, leaving
+            # the socket open with nobody reading it (the client hangs until its timeout).
+            asyncio.get_running_loop().remove_reader(self._fd)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            await self._site.stop()
+            self._site = None
+            # then let the handlers of those connections start: aiohttp's shutdown closes idle
+            # connections, but one whose handler has not begun waiting misses that close
+            for _ in range(3):
+                await asyncio.sleep(0)
+        if self._runner is not None:
+            await self.parts.drain.run(self.config.grace)
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def settled(self, seconds: float) -> bool:
+        """Wait for the membership sources' first read, then for discovery of every worker;
+        False if some are still discovering."""
+        return await settled(self.parts.sources, self.monitor, seconds)
