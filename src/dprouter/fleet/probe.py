@@ -1,4 +1,4 @@
-"""Ask a worker what it is: dialect, DP ranks, DP attention, models; and its load.
+"""Ask a worker what it is: dialect, DP ranks, DP attention, models (its load: ``engine_load``).
 
 SGLang answers ``/server_info`` (older ``/get_server_info``) in one of two
 shapes (``sglang_ranks``). vLLM has no such endpoint in production; its

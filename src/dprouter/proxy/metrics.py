@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target
-from dprouter.proxy.metric_families import CounterFamily, HistogramFamily, Tally
+from dprouter.proxy.local_metrics import CounterFamily, HistogramFamily, Tally
 
 TARGET = ["role", "worker", "dp_rank"]
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -128,7 +128,7 @@ class Incs(Protocol):
 
 
 class Shared:
-    """A prometheus_client metric as a ``tally`` family: for serving processes, whose
+    """A prometheus_client metric as a ``local_metrics`` family: for serving processes, whose
     values live in per-process files."""
 
     def __init__(self, metric: Counter | Histogram) -> None:
@@ -150,7 +150,7 @@ class RouterMetrics:
         self.extra: list[Collector] = []  # read at scrape time too (``add``)
         self.prom = CollectorRegistry(auto_describe=False)
         p = self.prom
-        # per target, on every request: plain numbers in one process (see ``tally``)
+        # per target, on every request: plain numbers in one process (see ``local_metrics``)
         self.requests: CounterFamily | Shared
         self.errors: CounterFamily | Shared
         self.duration: HistogramFamily | Shared

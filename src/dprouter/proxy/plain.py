@@ -1,4 +1,4 @@
-"""The request path: read, pick a target, write its rank, forward, relay the answer.
+"""Plain requests: read, pick a target, write its rank, forward, relay the answer.
 
 Read as a sequence of steps in ``Proxy.handle``; what a failed attempt leads to is
 stated once, in ``retry``, for this path, the P/D one and the rankless one alike. The target's

@@ -6,7 +6,7 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from dprouter.proxy.metric_families import Tally
+from dprouter.proxy.local_metrics import Tally
 from dprouter.proxy.metrics import ERRORS, LATENCY_BUCKETS, REQUESTS
 
 AMOUNTS = (0.0, 0.001, 0.005, 0.0050001, 0.3, 1, 2.5, 299.0, 300.0, 301.0, 1e9)
