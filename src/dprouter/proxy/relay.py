@@ -66,9 +66,16 @@ async def relay(
             )
         else:
             resp = web.StreamResponse(status=upstream.status, headers=headers)
-            await resp.prepare(request)
-            request[STREAMING] = resp  # begun: whatever happens, this is the answer
-            await _stream(resp, upstream, target, series, started, counted, watch)
+            try:
+                await resp.prepare(request)
+                request[STREAMING] = resp  # begun: whatever happens, this is the answer
+                await _stream(resp, upstream, target, series, started, counted, watch)
+            except aiohttp.ClientConnectionResetError as exc:
+                # a write found the client's connection closing: it left, and the
+                # cancellation that says so comes a loop turn later. It ends as a client
+                # that leaves does (the engine's connection closed, an SGLang engine told
+                # to abort), not as a stream the engine cut, nor as a router error
+                raise asyncio.CancelledError from exc
         done = True
     finally:
         if done:
@@ -107,14 +114,7 @@ async def _stream(
             if first:
                 series.first_byte.observe(loop.time() - started)
                 first = False
-            try:
-                await resp.write(chunk)
-            except aiohttp.ClientConnectionResetError as exc:
-                # the client's connection is closing: it left, and the cancellation that
-                # says so comes a loop turn later. It ends as a client that leaves does
-                # (the engine's connection closed, an SGLang engine told to abort), not as
-                # a stream the engine cut
-                raise asyncio.CancelledError from exc
+            await resp.write(chunk)
             if idle is not None:  # counted from here: a slow client is not an idle engine
                 idle.last = loop.time()  # ``touch``, without a call per read
             if watch is not None:
@@ -125,6 +125,8 @@ async def _stream(
                 if events >= SPEND:
                     counted.spend(events)
                     events = 0
+    except aiohttp.ClientConnectionResetError:
+        raise  # a write to the client's connection, not a read from the engine: see relay
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
         timed_out = isinstance(exc, TimeoutError)
         series.failed("stream_timeout" if timed_out else "stream_cut")
