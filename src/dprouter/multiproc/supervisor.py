@@ -41,6 +41,7 @@ log = logging.getLogger("dprouter")
 SPAWN = multiprocessing.get_context("spawn")  # never fork a process with a running loop
 START_TIMEOUT = 60.0  # seconds for every serving process to listen
 REAP = 5.0  # seconds an ended serving process may take to finish exiting
+REAP_POLL = 0.005  # seconds between looks meanwhile
 
 
 class Supervisor(Service):
@@ -69,6 +70,7 @@ class Supervisor(Service):
         self.replaced = 0  # serving processes replaced after they died
         self.gave_up = asyncio.Event()  # they kept dying at start-up: the router cannot serve
         self.ended = asyncio.Event()  # stopping, and every serving process has ended
+        self._reaping: set[asyncio.Task[None]] = set()  # serving processes on their way out
         self._quick_deaths = 0
         self._hash_seed = str(secrets.randbelow(1 << 32))
 
@@ -130,16 +132,29 @@ class Supervisor(Service):
     def watch(self, row: int, child: multiprocessing.process.BaseProcess) -> None:
         """Take ``child`` as the serving process of ``row``, and learn when it ends."""
         loop = asyncio.get_running_loop()
-        loop.add_reader(child.sentinel, self._ended, row, child, loop.time())
+        loop.add_reader(child.sentinel, self._exiting, row, child, loop.time())
 
-    def _ended(self, row: int, child: multiprocessing.process.BaseProcess, started: float) -> None:
+    def _exiting(
+        self, row: int, child: multiprocessing.process.BaseProcess, started: float
+    ) -> None:
+        """The sentinel reads as closed once the process has closed its files on the way
+        out, a moment before it can be reaped. Reaping then without waiting found it still
+        running, and nothing reaped it after: a zombie, and a stop waiting out the grace
+        for it. So its end is awaited, without holding up the control plane meanwhile."""
         loop = asyncio.get_running_loop()
         loop.remove_reader(child.sentinel)
-        # The sentinel reads as closed once the process has closed its files on the way
-        # out, a moment before it can be reaped: a join that does not wait (``join(0)``)
-        # could find it still running, and then nothing would ever reap it (a zombie, and a
-        # stop waiting out the grace for it). This join waits for the exit under way.
-        child.join(REAP)
+        task = loop.create_task(self._ended(row, child, started))
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
+
+    async def _ended(
+        self, row: int, child: multiprocessing.process.BaseProcess, started: float
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(round(REAP / REAP_POLL)):  # a look at exitcode reaps it
+            if child.exitcode is not None:
+                break
+            await asyncio.sleep(REAP_POLL)
         self.control.listening.discard(row)
         if hand_back(self.semaphore, self.board, row):
             log.warning("serving process %d died holding the board lock: handed back", row)
@@ -183,6 +198,9 @@ class Supervisor(Service):
             if child.is_alive() and child.pid is not None:
                 os.kill(child.pid, signal.SIGKILL)
             child.join(1.0)
+        for task in self._reaping:  # the board they would release is closed next
+            task.cancel()
+        await asyncio.gather(*self._reaping, return_exceptions=True)
         await self.control.stop()
         if self._held is not None:
             self._held.close()
