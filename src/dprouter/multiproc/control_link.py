@@ -16,7 +16,6 @@ import asyncio
 import logging
 import os
 import signal
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -218,7 +217,7 @@ class Placer:
 
     async def place(self, targets: Sequence[Target], info: RequestInfo) -> None:
         key = info.key
-        if key is None or info.attempt:
+        if key is None:
             return
         held = self.policy.sticky.get(key)
         if held is not None and held[0] in targets and info.now - self._asked[key] < self.fresh:
@@ -304,12 +303,12 @@ class ControlLink:
         policy.tell = tell
         self.follower.on_seen = policy.learn
 
-    async def held(self) -> tuple[int, float]:
+    async def held(self) -> tuple[int, float] | None:
         """Routing keys held, and when the router started: the parent holds the keys'
-        table and outlives any serving process (0 and now when it cannot say)."""
+        table and outlives any serving process (None: it did not say)."""
         try:
             async with self.channel.session.get(BASE + DASHBOARD) as r:
                 said = orjson.loads(await r.read())
             return int(said["sessions"]), float(said["started"])
         except (aiohttp.ClientError, KeyError, orjson.JSONDecodeError):
-            return 0, time.time()
+            return None

@@ -31,7 +31,7 @@ from dprouter.proxy.pools import Pools, choose_pools
 from dprouter.proxy.read import ClientRequest, read_request
 from dprouter.proxy.relay import relay
 from dprouter.proxy.retry import Attempts
-from dprouter.proxy.routing_keys import Places
+from dprouter.proxy.routing_keys import Places, placeable
 from dprouter.proxy.upload import Upload, several_models
 
 
@@ -71,7 +71,7 @@ class Proxy:
             client.incoming.model,
             request.path,
             dialect,
-            {"regular": client.pinned},
+            None if client.pinned is None else {"regular": client.pinned},
         )
         if isinstance(pools, web.Response):
             return pools
@@ -105,12 +105,9 @@ class Proxy:
 
         async def attempt(left: Pools) -> web.StreamResponse:
             (candidates,) = left
-            if attempts.tried:
-                chosen = replace(info, attempt=len(attempts.tried))
-            else:
-                chosen = info
-                if self.placer is not None and info.key is not None:
-                    await self.placer.place(candidates, info)
+            chosen = attempts.numbered(info)
+            if self.placer is not None and placeable(chosen):
+                await self.placer.place(candidates, chosen)
             counted = self._choose(candidates, chosen, incoming)
             if found is not None and self.lookup is not None:
                 self.lookup.sent(found, counted.target, started)  # its blocks are pending there

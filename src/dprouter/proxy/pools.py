@@ -41,6 +41,10 @@ def choose_pools(
 ) -> Pools | web.Response:
     """One pool per role, in the order of ``roles``, or the error to answer with."""
     snapshot = registry.snapshot
+    if not pinned and len(roles) == 1:  # the common case: one pool, no rank pinned
+        found = snapshot.pool(roles[0], model, dialect)
+        if found:
+            return (found,)
     pools: list[Sequence[Target]] = []
     for role in roles:
         pool: Sequence[Target] = snapshot.pool(role, model, dialect)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
@@ -28,6 +29,7 @@ from aiohttp import web
 from dprouter.core.errors import Failed, error
 from dprouter.fleet.breakers import Breakers
 from dprouter.fleet.targets import Target, Worker
+from dprouter.policies import RequestInfo
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.pools import Pools
 from dprouter.proxy.relay import was_cut
@@ -113,6 +115,10 @@ class Attempts:
                 return await one(candidates)
             except Failed as failure:
                 self.failed(failure)
+
+    def numbered(self, info: RequestInfo) -> RequestInfo:
+        """``info`` as a policy is to see it on this attempt: a retry says which it is."""
+        return replace(info, attempt=len(self.tried)) if self.tried else info
 
     def candidates(self, pool: Sequence[Target]) -> Sequence[Target]:
         """The targets of ``pool`` left to try; none once ``limit`` attempts have failed.

@@ -39,9 +39,15 @@ def claims_prefix(workers_prefix: str, role: str = "regular") -> str:
 
 class Places(Protocol):
     """Places a routing key before the policy is called (several processes: the parent's
-    table; several replicas: a claim in etcd)."""
+    table; several replicas: a claim in etcd), when ``placeable`` says so."""
 
     async def place(self, targets: Sequence[Target], info: RequestInfo) -> None: ...
+
+
+def placeable(info: RequestInfo) -> bool:
+    """A routing key is placed on its request's first attempt; a retry goes where the
+    policy's table says, and one failed attempt does not move the key for good."""
+    return info.key is not None and not info.attempt
 
 
 class Claims:
@@ -59,7 +65,7 @@ class Claims:
 
     async def place(self, targets: Sequence[Target], info: RequestInfo) -> None:
         key = info.key
-        if key is None or info.attempt:
+        if key is None:
             return
         held = self.policy.sticky.get(key)
         mine = held[0] if held is not None and held[0] in targets else None

@@ -30,7 +30,7 @@ from dprouter.proxy.pd.call import Call
 from dprouter.proxy.pd.pairing import Pairing
 from dprouter.proxy.pools import Pools, choose_pools
 from dprouter.proxy.read import read_request
-from dprouter.proxy.routing_keys import Places
+from dprouter.proxy.routing_keys import Places, placeable
 
 Flow = Callable[[Call, Target, Target], Awaitable[web.StreamResponse]]
 SIDES: tuple[Side, Side] = ("prefill", "decode")  # the order of a pair's pools
@@ -89,16 +89,11 @@ class PairProxy:
 
         async def attempt(left: Pools) -> web.StreamResponse:
             prefills, decodes = left
-            if attempts.tried:
-                chosen = replace(info, attempt=len(attempts.tried))
-            else:
-                chosen = info
-                if info.key is not None:
-                    for side, candidates in zip(SIDES, left, strict=True):
-                        if placer := self.placers.get(side):
-                            await placer.place(
-                                candidates, replace(info, pool=(side, incoming.model))
-                            )
+            chosen = attempts.numbered(info)
+            if self.placers and placeable(chosen):
+                for side, candidates in zip(SIDES, left, strict=True):
+                    if placer := self.placers.get(side):
+                        await placer.place(candidates, replace(chosen, pool=(side, incoming.model)))
             if self.lock is None:
                 prefill, decode = self.pairing.choose(prefills, decodes, chosen, incoming.model)
             else:
