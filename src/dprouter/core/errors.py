@@ -8,7 +8,7 @@ grouped by who raises them; each says what the caller does with it.
 from __future__ import annotations
 
 import asyncio
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import orjson
 from aiohttp import web
@@ -88,7 +88,12 @@ class TooLarge(Exception):
 
 # -- an attempt on an engine -----------------------------------------------------------
 
-T = TypeVar("T")
+
+class Labelled(Protocol):
+    label: str  # how logs and metrics name it (a target's ``worker/rank``)
+
+
+T = TypeVar("T", bound=Labelled)
 
 
 class Failed(Exception, Generic[T]):
@@ -103,8 +108,7 @@ class Failed(Exception, Generic[T]):
         self.side = side  # P/D: which leg
 
     def __str__(self) -> str:
-        label = getattr(self.target, "label", self.target)
-        return f"{self.side + ' ' if self.side else ''}{label}: {self.message}"
+        return f"{self.side + ' ' if self.side else ''}{self.target.label}: {self.message}"
 
 
 class UpstreamBroke(Exception):

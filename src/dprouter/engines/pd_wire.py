@@ -26,26 +26,25 @@ PREFILL_DROPS = ("stream_options", "min_tokens")
 ROOM_BITS = 63
 
 
-def _prefill_base(body: dict[str, Any]) -> dict[str, Any]:
+def _prefill(body: dict[str, Any], **kv: Any) -> dict[str, Any]:
+    """The prefill leg: one token, not streamed, its KV kept for a remote decode."""
     out = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    return out
-
-
-def nixl_prefill(body: dict[str, Any]) -> dict[str, Any]:
-    out = _prefill_base(body)
     out["kv_transfer_params"] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
         "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
+        **kv,
     }
     return out
+
+
+def nixl_prefill(body: dict[str, Any]) -> dict[str, Any]:
+    return _prefill(body, remote_host=None, remote_port=None)
 
 
 def nixl_decode(body: dict[str, Any], prefill_kv: dict[str, Any]) -> dict[str, Any]:
@@ -60,17 +59,12 @@ def moriio_request_id(prefill: Target, decode: Target) -> str:
 
 
 def moriio_prefill(body: dict[str, Any], transfer_id: str, decode: Target) -> dict[str, Any]:
-    out = _prefill_base(body)
-    out["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "transfer_id": transfer_id,
-        "remote_dp_size": decode.worker.ranks,
-        "remote_tp_size": decode.worker.tp_size or 1,
-    }
-    return out
+    return _prefill(
+        body,
+        transfer_id=transfer_id,
+        remote_dp_size=decode.worker.ranks,
+        remote_tp_size=decode.worker.tp_size or 1,
+    )
 
 
 def moriio_decode(

@@ -26,7 +26,7 @@ Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
 ``token_base[slots]``, then two cells: the row (+1) holding the lock, 0 if none;
 the routing keys ``manual`` moved off overloaded targets (one writer: the
 process that owns the key table); then ``MODELS`` pairs of cells for the typical
-output lengths (``estimate``): a model's key, its typical length in thousandths.
+output lengths (``output_budget``): a model's key, its typical length in thousandths.
 """
 
 from __future__ import annotations

@@ -153,6 +153,15 @@ class Registry:
         worker.error = error
         self.rebuild()
 
+    def mark_stale(self, stale: bool) -> bool:
+        """The membership source can (True) or cannot be read just now; True when that is
+        news (the snapshot is rebuilt, so followers and metrics learn of it)."""
+        if self.stale == stale:
+            return False
+        self.stale = stale
+        self.rebuild()
+        return True
+
     def rebuild(self) -> None:
         self._version += 1
         ready = tuple(w for w in self.workers.values() if w.ready and w.targets)

@@ -147,7 +147,7 @@ class Outstanding:
 
     Released on every exit (error, cancellation, client disconnect), so the
     counts never drift and need no periodic reset. ``claim`` counts it before
-    the block, in the same step as the decision (see ``processes``)."""
+    the block, in the same step as the decision (see ``board_lock``)."""
 
     __slots__ = ("claimed", "left", "seen", "target", "tokens")
 

@@ -74,7 +74,7 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
         metrics_dir=seat.metrics,
         lock=board.lock,
     )
-    router = Router(seat.config, app=app)
+    router = Router.of(app)
     try:
         await router.start()
         gc_tuning.tune()

@@ -1,6 +1,6 @@
 """Response ids -> the label of the target that made each: bounded and expiring.
 
-ResponseIds apart from ``stored`` so that the control plane holds one without the request path.
+Kept apart from ``responses`` so that the control plane holds one without the request path.
 """
 
 from __future__ import annotations

@@ -123,8 +123,8 @@ ROUTED = (200, 400, 404, 413, 429, 502, 503)
 ADMIN = (200, 201, 400, 401, 403, 404, 409, 502, 503)
 
 
-def _surface() -> dict[str, Any]:
-    """The engine endpoints of ``surface.ENDPOINTS``, as the router checks them."""
+def _engine_paths() -> dict[str, Any]:
+    """The engine endpoints of ``endpoints.ENDPOINTS``, as the router checks them."""
     paths: dict[str, Any] = {}
     for e in ENDPOINTS:
         if e.routing == "admin":
@@ -167,7 +167,7 @@ def describe(dashboard: bool = False) -> dict[str, Any]:
                 "Chat completion", ["messages"], {"messages": MESSAGES}
             ),
             "/generate": _routed("SGLang's native generation", ["text"], {"text": PROMPT}),
-            **_surface(),
+            **_engine_paths(),
             "/v1/models": _get("Models the workers serve", "application/json", {"type": "object"}),
             "/v1/models/{id}": {"get": _operation("One model's card", False, 200, 404, param=True)},
             "/health": _get("The router is up", "application/json", {"type": "object"}),

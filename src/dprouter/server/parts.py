@@ -60,8 +60,9 @@ class Control(Protocol):
         """``cache_aware`` learns what the other processes sent where."""
         ...
 
-    async def held(self) -> tuple[int, float]:
-        """For the dashboard: routing keys held, and when the router started."""
+    async def held(self) -> tuple[int, float] | None:
+        """For the dashboard: routing keys held, and when the router started (None: the
+        parent did not say)."""
         ...
 
 

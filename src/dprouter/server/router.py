@@ -23,10 +23,19 @@ log = logging.getLogger("dprouter")
 class Router(Service):
     """A router listening on loopback (or wherever the config says), in this process."""
 
-    def __init__(self, config: RouterConfig, *, app: web.Application | None = None) -> None:
-        """``app``: made by ``build_app`` with components of its own (a serving process of
-        several passes its); by default, one made from ``config`` alone."""
-        self.app = app if app is not None else build_app(config)
+    def __init__(self, config: RouterConfig) -> None:
+        self._take(build_app(config))
+
+    @classmethod
+    def of(cls, app: web.Application) -> Router:
+        """A router over an app ``build_app`` made with components of its own (a serving
+        process of several makes its so)."""
+        router = cls.__new__(cls)
+        router._take(app)
+        return router
+
+    def _take(self, app: web.Application) -> None:
+        self.app = app
         self.parts = self.app[PARTS]
         self.config = self.parts.config
         self.port = self.config.port

@@ -150,18 +150,14 @@ class EtcdMembership:
         log.info("etcd: worker %s joined: %s (%s)", worker.id, worker.url, key)
 
     def _reachable(self) -> None:
-        if self.registry.stale:
+        if self.registry.mark_stale(False):
             log.warning("etcd reachable again: membership is current")
-            self.registry.stale = False
-            self.registry.rebuild()  # followers and metrics learn of it
         self.synced.set()
 
     def _unreachable(self, exc: EtcdError) -> None:
-        if not self.registry.stale:
+        if self.registry.mark_stale(True):
             log.error(
                 "etcd unreachable (%s): keeping the last membership read (%d workers) and retrying",
                 exc,
                 len(self.members),
             )
-            self.registry.stale = True
-            self.registry.rebuild()

@@ -41,9 +41,9 @@ class KubernetesMembership:
         registry: Registry,
         monitor: Monitor,
         rules: PodRules,
-        namespace: str | None = None,
-        selector: str | None = None,
-        resync: float = 60.0,
+        namespace: str | None,
+        selector: str | None,
+        resync: float,
     ) -> None:
         self.access = access
         self.namespace = namespace or access.namespace
@@ -177,19 +177,15 @@ class KubernetesMembership:
             log.error("kubernetes: %s", why)
 
     def _reachable(self) -> None:
-        if self.registry.stale:
+        if self.registry.mark_stale(False):
             log.warning("kubernetes API reachable again: membership is current")
-            self.registry.stale = False
-            self.registry.rebuild()  # followers and metrics learn of it
         self.synced.set()
 
     def _unreachable(self, exc: KubeError) -> None:
-        if not self.registry.stale:
+        if self.registry.mark_stale(True):
             log.error(
                 "kubernetes API cannot be read (%s): keeping the last membership (%d workers) "
                 "and retrying",
                 exc,
                 len(self.members),
             )
-            self.registry.stale = True
-            self.registry.rebuild()

@@ -125,7 +125,7 @@ class Dashboard:
     async def _held(self) -> tuple[int, float]:
         """Routing keys held, and when the router started."""
         if self.parts.control is not None:
-            return await self.parts.control.held()
+            return await self.parts.control.held() or (0, self.started)
         policy = self.parts.policy
         return (len(policy.sticky) if isinstance(policy, Manual) else 0), self.started
 
