@@ -105,16 +105,16 @@ class Attempts:
         """The retry loop of every flow: ``one`` attempt over the targets left of each pool,
         again after a pause while it fails (``Failed``) and targets and attempts are left;
         then the client hears why (``give_up``)."""
-        while True:
-            candidates = tuple(map(self.candidates, pools))
-            if not all(candidates):
-                return self.give_up(what)
-            if self.tried:
-                await self.pause()
+        candidates = pools  # before a failure, every target of each pool is left
+        while all(candidates):
             try:
                 return await one(candidates)
             except Failed as failure:
                 self.failed(failure)
+            candidates = tuple(map(self.candidates, pools))
+            if all(candidates):
+                await self.pause()
+        return self.give_up(what)
 
     def numbered(self, info: RequestInfo) -> RequestInfo:
         """``info`` as a policy is to see it on this attempt: a retry says which it is."""
