@@ -21,8 +21,8 @@ from dprouter.config import RouterConfig
 from dprouter.core.net import bind, url_of
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.server.router import Router
-from dprouter.sim.cluster import SimCluster
-from dprouter.sim.config import EngineConfig
+from dprouter.sim.http.cluster import SimCluster
+from dprouter.sim.model.config import EngineConfig
 
 
 class StartCluster(Protocol):

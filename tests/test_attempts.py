@@ -20,8 +20,8 @@ from dprouter.core.types import PdMode, Role
 from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.server.router import Router
-from dprouter.sim.config import EngineConfig, PdConfig
-from dprouter.sim.server import SimServer
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster, StartRouter, until
 
 PROMPT = {"prompt": "try me", "max_tokens": 2}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dprouter.bench.harness import SimRouter, run_sessions
 from dprouter.bench.workloads import ChatSessions
-from dprouter.sim.config import EngineConfig, RankLimits
+from dprouter.sim.model.config import EngineConfig, RankLimits
 
 U64 = (1 << 64) - 1
 

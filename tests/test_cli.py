@@ -13,7 +13,7 @@ import click
 import pytest
 
 from dprouter.cli.demo import run_demo
-from dprouter.sim.config import EngineConfig, PdConfig
+from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster
 
 

@@ -25,7 +25,7 @@ from dprouter.core.errors import ConfigError
 from dprouter.fleet.membership.etcd_client import Etcd
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.server.router import Router
-from dprouter.sim.config import EngineConfig, Faults
+from dprouter.sim.model.config import EngineConfig, Faults
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 from tests.test_cli import _serve, listening
 

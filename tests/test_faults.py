@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig, Faults
+from dprouter.sim.model.config import EngineConfig, Faults
 from tests.conftest import (
     StartCluster,
     StartRouter,

@@ -18,7 +18,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig, Faults
+from dprouter.sim.model.config import EngineConfig, Faults
 from tests.conftest import StartCluster, StartRouter, workers
 from tests.test_router_pd import deploy, served
 

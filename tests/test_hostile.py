@@ -12,7 +12,7 @@ from aiohttp import web
 
 from dprouter.config import RouterConfig
 from dprouter.server.router import Router
-from dprouter.sim.config import EngineConfig
+from dprouter.sim.model.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, serving, workers
 
 

@@ -27,7 +27,7 @@ from dprouter.config import RouterConfig, validate
 from dprouter.core.errors import ConfigError, PodError
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.server.router import Router
-from dprouter.sim.config import EngineConfig
+from dprouter.sim.model.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 from tests.kube_apiserver import KubeApiServer, pod
 from tests.test_cli import _serve, listening

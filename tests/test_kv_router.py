@@ -18,8 +18,8 @@ from dprouter.config import RouterConfig
 from dprouter.core.errors import ConfigError
 from dprouter.core.tokenizer import ModelTokenizer
 from dprouter.fleet.worker_spec import WorkerSpec
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.vocab import write_tokenizer
+from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.vocab import write_tokenizer
 from tests.conftest import StartCluster, StartRouter
 from tests.kv_publisher import Publisher, stored
 

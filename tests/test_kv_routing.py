@@ -25,11 +25,11 @@ from dprouter.engines.kvevents.feed import Feed
 from dprouter.engines.kvevents.keys import prompt_keys
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.server.router import Router
-from dprouter.sim.config import EngineConfig, RankLimits
-from dprouter.sim.kvevents import Encoding, KvEventsConfig
-from dprouter.sim.prefix import block_hashes
-from dprouter.sim.server import SimServer
-from dprouter.sim.vocab import write_tokenizer
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig, RankLimits
+from dprouter.sim.model.kvevents import Encoding, KvEventsConfig
+from dprouter.sim.model.prefix import block_hashes
+from dprouter.sim.model.vocab import write_tokenizer
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 
 BLOCK = 16

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig
+from dprouter.sim.model.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, workers
 
 

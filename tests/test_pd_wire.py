@@ -13,7 +13,7 @@ from dprouter.engines import dialects, pd_wire
 from dprouter.fleet.targets import Target, Worker
 from dprouter.policies import RequestInfo, make_policy
 from dprouter.proxy.pd.pairing import Pairing
-from dprouter.sim.pd import MORIIO_ID
+from dprouter.sim.http.pd import MORIIO_ID
 
 CLIENT = {
     "model": "m",

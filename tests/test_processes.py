@@ -26,7 +26,7 @@ from dprouter.core.types import PdMode
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.proxy.output_budget import OutputEstimate
-from dprouter.sim.config import EngineConfig, Faults, PdConfig
+from dprouter.sim.model.config import EngineConfig, Faults, PdConfig
 from tests.conftest import StartCluster, metric_sum, until, workers
 
 StartProcesses = Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]]

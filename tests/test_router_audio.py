@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig, Faults, Persona
-from dprouter.sim.server import SimServer
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig, Faults, Persona
 from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
 
 AUDIO = random.Random(5).randbytes(200_000)

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig, Faults
+from dprouter.sim.model.config import EngineConfig, Faults
 from tests.conftest import (
     CutsStreams,
     StartCluster,

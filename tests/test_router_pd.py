@@ -18,8 +18,8 @@ from dprouter.config import RouterConfig
 from dprouter.core.types import PdMode
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.server.router import Router
-from dprouter.sim.config import EngineConfig, Faults, PdConfig
-from dprouter.sim.server import SimServer
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig, Faults, PdConfig
 from tests.conftest import (
     CutsStreams,
     StartCluster,

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from dprouter.config import RouterConfig
 from dprouter.core.net import bind, url_of
-from dprouter.sim.config import CostModel, EngineConfig, Faults
+from dprouter.sim.model.config import CostModel, EngineConfig, Faults
 from tests.conftest import (
     StartCluster,
     StartRouter,

@@ -10,7 +10,7 @@ import pytest
 
 from dprouter.config import RouterConfig
 from dprouter.proxy.response_ids import ResponseIds
-from dprouter.sim.config import EngineConfig, Persona
+from dprouter.sim.model.config import EngineConfig, Persona
 from tests.conftest import StartCluster, StartRouter, workers
 
 

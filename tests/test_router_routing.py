@@ -13,8 +13,8 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig, RankLimits
-from dprouter.sim.server import SimServer
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig, RankLimits
 from tests.conftest import StartCluster, StartRouter, serving, workers
 from tests.test_sim_vllm import sse_events
 

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from dprouter.config import RouterConfig
-from dprouter.sim.config import EngineConfig, Faults, Persona
-from dprouter.sim.server import SimServer
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig, Faults, Persona
 from tests.conftest import StartCluster, StartRouter, until, workers
 
 TOKEN = "admin-secret"

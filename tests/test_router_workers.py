@@ -14,8 +14,8 @@ from dprouter.core.errors import ConfigError
 from dprouter.core.net import url_of
 from dprouter.fleet import engine_load, probe
 from dprouter.fleet.targets import Worker
-from dprouter.sim.config import EngineConfig, PdConfig
-from dprouter.sim.server import SimServer
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import (
     StartCluster,
     StartRouter,

@@ -16,7 +16,7 @@ from aiohttp import web
 from dprouter.config import RouterConfig
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.server.router import Router
-from dprouter.sim.config import EngineConfig, PdConfig
+from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster, completions_engine, serving, until
 from tests.test_cli import _serve, listening
 

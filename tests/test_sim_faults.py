@@ -8,7 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from dprouter.sim.config import EngineConfig, Faults
+from dprouter.sim.model.config import EngineConfig, Faults
 from tests.conftest import StartCluster
 from tests.test_sim_vllm import metrics
 

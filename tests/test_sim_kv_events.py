@@ -16,13 +16,13 @@ import zmq
 import zmq.asyncio
 
 from dprouter.core.tokenizer import ModelTokenizer
-from dprouter.sim.cluster import SimCluster
 from dprouter.sim.command import build, sim
-from dprouter.sim.config import EngineConfig, RankLimits
-from dprouter.sim.kvevents import KvEventsConfig
-from dprouter.sim.server import SimServer
-from dprouter.sim.tokens import tokenize
-from dprouter.sim.vocab import write_tokenizer
+from dprouter.sim.http.cluster import SimCluster
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig, RankLimits
+from dprouter.sim.model.kvevents import KvEventsConfig
+from dprouter.sim.model.tokens import tokenize
+from dprouter.sim.model.vocab import write_tokenizer
 from tests.conftest import StartCluster
 
 U64 = (1 << 64) - 1
@@ -209,7 +209,7 @@ async def test_events_rebuild_each_ranks_cache(
 
 def test_vllm_map_event_fields_are_vllm_0_32s() -> None:
     """The exact keys vLLM 0.32.0 puts in each event (block_pool.py, kv_events.py)."""
-    from dprouter.sim.kvevents import Cleared, Removed, Stored, encode_batch
+    from dprouter.sim.model.kvevents import Cleared, Removed, Stored, encode_batch
 
     stored = Stored([-5, 7], None, list(range(32)), 16)
     payload = encode_batch(1.5, [stored, Removed([-5]), Cleared()], 3, "vllm", "map")

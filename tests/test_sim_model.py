@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from dprouter.sim.config import CostModel, EngineConfig, RankLimits
-from dprouter.sim.engine import Engine
-from dprouter.sim.offline import Arrival, Cluster, OfflineSim
-from dprouter.sim.prefix import PrefixCache, block_hashes
-from dprouter.sim.request import Phase, SimRequest
+from dprouter.sim.model.config import CostModel, EngineConfig, RankLimits
+from dprouter.sim.model.engine import Engine
+from dprouter.sim.model.prefix import PrefixCache, block_hashes
+from dprouter.sim.model.request import Phase, SimRequest
+from dprouter.sim.offline.offline import Arrival, Cluster, OfflineSim
 
 COST = CostModel()
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.offline import Arrival, Cluster, OfflineSim, Route
+from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.offline.offline import Arrival, Cluster, OfflineSim, Route
 
 SYSTEM = list(range(10_000, 10_512))  # a shared 512-token system prompt
 

@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 
 from dprouter.core.types import PdMode
-from dprouter.sim.config import EngineConfig, PdConfig
-from dprouter.sim.server import SimServer
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster
 
 RANK = "X-data-parallel-rank"

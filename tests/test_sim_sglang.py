@@ -10,8 +10,8 @@ import aiohttp
 import orjson
 import pytest
 
-from dprouter.sim.config import Dispatch, EngineConfig
-from dprouter.sim.tokens import tokenize
+from dprouter.sim.model.config import Dispatch, EngineConfig
+from dprouter.sim.model.tokens import tokenize
 from tests.conftest import StartCluster, background, until
 from tests.test_sim_vllm import sse_events
 

@@ -11,9 +11,9 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dprouter.sim.config import CostModel, EngineConfig
-from dprouter.sim.server import SimServer
-from dprouter.sim.tokens import tokenize
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import CostModel, EngineConfig
+from dprouter.sim.model.tokens import tokenize
 from tests.conftest import StartCluster, until
 
 RANK = "X-data-parallel-rank"

@@ -15,7 +15,7 @@ from dprouter.fleet.board import MODELS, Board
 from dprouter.fleet.engine_load import sglang_load, vllm_loads
 from dprouter.proxy.output_budget import OutputEstimate, completion_tokens
 from dprouter.proxy.parse import DEFAULT_OUTPUT
-from dprouter.sim.config import EngineConfig, Persona
+from dprouter.sim.model.config import EngineConfig, Persona
 from tests.conftest import StartCluster, StartRouter, until, workers
 
 LONG = "a rather long prompt that fills the cache " * 60  # ~2,500 characters

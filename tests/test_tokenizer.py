@@ -10,8 +10,8 @@ import pytest
 
 from dprouter.core.errors import TokenizerError
 from dprouter.core.tokenizer import ModelTokenizer
-from dprouter.sim.tokens import WORDS
-from dprouter.sim.vocab import write_tokenizer
+from dprouter.sim.model.tokens import WORDS
+from dprouter.sim.model.vocab import write_tokenizer
 
 
 @pytest.fixture(scope="module")

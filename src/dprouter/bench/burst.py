@@ -26,7 +26,7 @@ from dprouter.bench.overhead import start_router
 from dprouter.bench.plots import bars
 from dprouter.bench.procs import DPROUTER, Proc, url_in, urls_in
 from dprouter.bench.results import Cell, Result, Table
-from dprouter.sim.report import percentiles
+from dprouter.sim.offline.report import percentiles
 
 
 async def burst(url: str, n: int, model: str = "bench") -> dict[str, Any]:

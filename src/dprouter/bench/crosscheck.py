@@ -25,7 +25,7 @@ import aiohttp
 from dprouter.bench import peers
 from dprouter.bench.procs import DPROUTER, Proc, url_in, urls_in
 from dprouter.bench.results import Cell, Result, Table
-from dprouter.sim.report import percentiles
+from dprouter.sim.offline.report import percentiles
 
 PIN = "inference-perf==0.7.0"
 RATE, OUTPUT = 8.0, 32

@@ -26,10 +26,10 @@ from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Outstanding, Target, Worker
 from dprouter.policies import Policy, PolicyOptions, RequestInfo, make_policy, needs_tokens
 from dprouter.proxy.output_budget import OutputEstimate
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.offline import Arrival, Cluster, OfflineSim
-from dprouter.sim.report import SimReport
-from dprouter.sim.request import SimRequest
+from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.request import SimRequest
+from dprouter.sim.offline.offline import Arrival, Cluster, OfflineSim
+from dprouter.sim.offline.report import SimReport
 
 OPENING = 256  # routing decisions kept in order: where a burst's opening went
 

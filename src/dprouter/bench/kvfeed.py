@@ -21,8 +21,8 @@ from dprouter.engines.kvevents import wire
 from dprouter.engines.kvevents.index import KvIndex
 from dprouter.engines.kvevents.lookup import Found, Matcher
 from dprouter.fleet.targets import Target
-from dprouter.sim.kvevents import encode_batch
-from dprouter.sim.rank import Rank
+from dprouter.sim.model.kvevents import encode_batch
+from dprouter.sim.model.rank import Rank
 
 DELAY = 0.005  # seconds from a step's end to its events in the index (ZMQ, decode)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from dprouter.sim.report import Percentiles, percentiles
+from dprouter.sim.offline.report import Percentiles, percentiles
 
 
 @dataclass

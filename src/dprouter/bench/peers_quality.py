@@ -30,11 +30,11 @@ from dprouter.bench.plots import bars
 from dprouter.bench.procs import DPROUTER, Proc, url_in
 from dprouter.bench.results import Cell, Result, Table
 from dprouter.core.tokenizer import ModelTokenizer
-from dprouter.sim.cluster import SimCluster
-from dprouter.sim.config import CostModel, EngineConfig, RankLimits
-from dprouter.sim.kvevents import KvEventsConfig
-from dprouter.sim.server import SimServer
-from dprouter.sim.vocab import write_tokenizer
+from dprouter.sim.http.cluster import SimCluster
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import CostModel, EngineConfig, RankLimits
+from dprouter.sim.model.kvevents import KvEventsConfig
+from dprouter.sim.model.vocab import write_tokenizer
 
 SCALE = 0.25  # wall seconds per simulated second
 # rollout workloads per run, each on a fresh cluster, by --quick: their rank balance swings

@@ -24,7 +24,7 @@ from dprouter.bench.plots import bars
 from dprouter.bench.results import Cell, Result, Table
 from dprouter.bench.workloads import ChatSessions, HotPrompt
 from dprouter.policies import PolicyOptions
-from dprouter.sim.config import EngineConfig, RankLimits
+from dprouter.sim.model.config import EngineConfig, RankLimits
 
 POLICIES = (
     "round_robin",

@@ -30,8 +30,8 @@ from dprouter.bench.peers_quality import ROLLOUT_ENGINE, SCALE
 from dprouter.bench.procs import DPROUTER, Proc, url_in
 from dprouter.bench.results import Cell, Result, Table
 from dprouter.fleet.membership.etcd_client import Etcd
-from dprouter.sim.cluster import SimCluster
-from dprouter.sim.config import EngineConfig, RankLimits
+from dprouter.sim.http.cluster import SimCluster
+from dprouter.sim.model.config import EngineConfig, RankLimits
 
 CHAT_ENGINE = EngineConfig(persona="sglang", dp_size=4, limits=RankLimits(max_running=32))
 RUNS = (("one router", 1, False), ("3 replicas", 3, False), ("3 replicas, one killed", 3, True))

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from dprouter.bench.harness import SimRouter, run_sessions
 from dprouter.bench.workloads import RolloutSessions
 from dprouter.policies import PolicyOptions
-from dprouter.sim.config import CostModel, EngineConfig, RankLimits
+from dprouter.sim.model.config import CostModel, EngineConfig, RankLimits
 
 ENGINES, DP = 8, 4
 KV_TOKENS, MAX_RUNNING = 50_000, 32

@@ -20,8 +20,8 @@ from dprouter.bench.results import Cell, Result, Table
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target, Worker
 from dprouter.policies import POLICIES, PolicyOptions, Prefix, RequestInfo, make_policy
-from dprouter.sim.config import EngineConfig, RankLimits
-from dprouter.sim.offline import Arrival, OfflineSim
+from dprouter.sim.model.config import EngineConfig, RankLimits
+from dprouter.sim.offline.offline import Arrival, OfflineSim
 
 SIZES = (64, 256, 1024, 4096)
 BEFORE = Path(__file__).parents[3] / "bench" / "baselines" / "scale-before.json"

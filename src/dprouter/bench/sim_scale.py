@@ -18,9 +18,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from dprouter.bench.results import Cell, Result, Table
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.offline import Arrival, Cluster, OfflineSim
-from dprouter.sim.report import SimReport
+from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.offline.offline import Arrival, Cluster, OfflineSim
+from dprouter.sim.offline.report import SimReport
 
 ENGINES, DP = 64, 16
 MODES = (("every step an event", 1), ("multi-step fast path", 1 << 20))  # (name, max_steps)

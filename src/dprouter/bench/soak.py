@@ -25,8 +25,8 @@ from dprouter.bench.peers import until_serving
 from dprouter.bench.plots import lines
 from dprouter.bench.procs import DPROUTER, Proc, rss_mb, url_in
 from dprouter.bench.results import Cell, Result, Table
-from dprouter.sim.cluster import SimCluster
-from dprouter.sim.config import EngineConfig, Faults
+from dprouter.sim.http.cluster import SimCluster
+from dprouter.sim.model.config import EngineConfig, Faults
 
 CLIENTS = 24  # half stream, half not
 ENGINE = EngineConfig(dp_size=2, time_scale=0.05, model="bench")

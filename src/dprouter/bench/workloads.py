@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from dprouter.sim.offline import Arrival
-from dprouter.sim.request import SimRequest
+from dprouter.sim.model.request import SimRequest
+from dprouter.sim.offline.offline import Arrival
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

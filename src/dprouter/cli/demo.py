@@ -22,10 +22,10 @@ import click
 from dprouter.config import RouterConfig
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.server.router import Router
-from dprouter.sim.cluster import SimCluster
-from dprouter.sim.config import EngineConfig, RankLimits
-from dprouter.sim.kvevents import KvEventsConfig
-from dprouter.sim.vocab import ensure_tokenizer
+from dprouter.sim.http.cluster import SimCluster
+from dprouter.sim.model.config import EngineConfig, RankLimits
+from dprouter.sim.model.kvevents import KvEventsConfig
+from dprouter.sim.model.vocab import ensure_tokenizer
 
 Key = tuple[str, int]  # (engine id, rank) as the engine reports it
 

@@ -1,11 +1,11 @@
 """Simulated vLLM and SGLang engines: served over HTTP, or offline in virtual time."""
 
-from dprouter.sim.cluster import SimCluster, fleet
-from dprouter.sim.config import CostModel, EngineConfig, Faults, RankLimits
-from dprouter.sim.kvevents import KvEventsConfig
-from dprouter.sim.offline import Arrival, Cluster, OfflineSim
-from dprouter.sim.report import SimReport
-from dprouter.sim.server import SimServer
+from dprouter.sim.http.cluster import SimCluster, fleet
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import CostModel, EngineConfig, Faults, RankLimits
+from dprouter.sim.model.kvevents import KvEventsConfig
+from dprouter.sim.offline.offline import Arrival, Cluster, OfflineSim
+from dprouter.sim.offline.report import SimReport
 
 __all__ = [
     "Arrival",

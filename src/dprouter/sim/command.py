@@ -11,8 +11,8 @@ from typing import Any
 import click
 
 from dprouter.core.types import PD_MODES
-from dprouter.sim.cluster import SimCluster
-from dprouter.sim.config import (
+from dprouter.sim.http.cluster import SimCluster
+from dprouter.sim.model.config import (
     LEGACY_SGLANG_DISPATCH,
     SGLANG_DISPATCH,
     EngineConfig,
@@ -20,8 +20,8 @@ from dprouter.sim.config import (
     PdConfig,
     RankLimits,
 )
-from dprouter.sim.kvevents import KvEventsConfig
-from dprouter.sim.vocab import ensure_tokenizer
+from dprouter.sim.model.kvevents import KvEventsConfig
+from dprouter.sim.model.vocab import ensure_tokenizer
 
 
 def slow_rank(text: str) -> tuple[int, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from dprouter.sim.protocol import Kind
+from dprouter.sim.http.protocol import Kind
 
 
 class RankError(ValueError):

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from dprouter.sim.config import CostModel, RankLimits
-from dprouter.sim.decode import DecodeBatch
-from dprouter.sim.prefix import PrefixCache, block_hashes
-from dprouter.sim.request import Phase, SimRequest
-from dprouter.sim.stats import RankStats
+from dprouter.sim.model.config import CostModel, RankLimits
+from dprouter.sim.model.decode import DecodeBatch
+from dprouter.sim.model.prefix import PrefixCache, block_hashes
+from dprouter.sim.model.request import Phase, SimRequest
+from dprouter.sim.model.stats import RankStats
 
 KV_RUN = 32  # longest multi-step run when KV reads make each step cost more than the last
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from dprouter.sim.served import Refused, dumps, fail, place
+from dprouter.sim.http.served import Refused, dumps, fail, place
 
 if TYPE_CHECKING:
-    from dprouter.sim.server import SimServer
+    from dprouter.sim.http.server import SimServer
 
 
 class Audio:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dprouter.core.types import PD_MODES, PdMode
-from dprouter.sim.kvevents import KvEventsConfig
+from dprouter.sim.model.kvevents import KvEventsConfig
 
 Persona = Literal["vllm", "sglang"]
 Dispatch = Literal[

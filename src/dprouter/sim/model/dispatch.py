@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.rank import Rank
-from dprouter.sim.request import SimRequest
+from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.rank import Rank
+from dprouter.sim.model.request import SimRequest
 
 
 class DispatchError(ValueError):

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dprouter.sim import sglang_info
-from dprouter.sim.generation import handle
+from dprouter.sim.http import sglang_info
+from dprouter.sim.http.generation import handle
 
 if TYPE_CHECKING:
-    from dprouter.sim.server import SimServer
+    from dprouter.sim.http.server import SimServer
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dprouter.sim.kvevents import Cleared, KvEvent, Removed, Stored
+from dprouter.sim.model.kvevents import Cleared, KvEvent, Removed, Stored
 
 
 def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from dprouter.sim.served import Refused, body_of, dumps, fail, place
-from dprouter.sim.tokens import tokenize
+from dprouter.sim.http.served import Refused, body_of, dumps, fail, place
+from dprouter.sim.model.tokens import tokenize
 
 if TYPE_CHECKING:
-    from dprouter.sim.server import SimServer
+    from dprouter.sim.http.server import SimServer
 
 DIM = 8  # embedding width
 PIECE = re.compile(r"\w+|[^\w\s]")  # one token each, as in sim/tokens.py

@@ -6,11 +6,11 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.rank import Rank
+from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.rank import Rank
 
 if TYPE_CHECKING:
-    from dprouter.sim.server import SimServer
+    from dprouter.sim.http.server import SimServer
 
 VERSION = "0.1.0-sim"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from dprouter.core.tokenizer import ModelTokenizer
-from dprouter.sim.tokens import render_chat, tokenize
+from dprouter.sim.model.tokens import render_chat, tokenize
 
 
 class Encoder(Protocol):

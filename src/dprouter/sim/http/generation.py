@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from dprouter.sim.dispatch import DispatchError
-from dprouter.sim.pd import PdError, decode_ticket, prefill_key, prefill_meta, take
-from dprouter.sim.persona import RankError
-from dprouter.sim.protocol import Kind, Parsed, parse
-from dprouter.sim.request import SimRequest
-from dprouter.sim.responses import DONE, Render, generate_meta, sse, usage
-from dprouter.sim.runner import ABORTED
-from dprouter.sim.tokens import output_token, prompt_digest
+from dprouter.sim.http.pd import PdError, decode_ticket, prefill_key, prefill_meta, take
+from dprouter.sim.http.persona import RankError
+from dprouter.sim.http.protocol import Kind, Parsed, parse
+from dprouter.sim.http.responses import DONE, Render, generate_meta, sse, usage
+from dprouter.sim.http.runner import ABORTED
+from dprouter.sim.model.dispatch import DispatchError
+from dprouter.sim.model.request import SimRequest
+from dprouter.sim.model.tokens import output_token, prompt_digest
 
 if TYPE_CHECKING:
-    from dprouter.sim.server import SimServer
+    from dprouter.sim.http.server import SimServer
 
 RID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-", "generate": ""}
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from dprouter.sim.persona import RankError
-from dprouter.sim.protocol import Kind
+from dprouter.sim.http.persona import RankError
+from dprouter.sim.http.protocol import Kind
 
 if TYPE_CHECKING:
-    from dprouter.sim.server import SimServer
+    from dprouter.sim.http.server import SimServer
 
 
 def dumps(obj: Any) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from dprouter.sim.tokens import WORDS
+from dprouter.sim.model.tokens import WORDS
 
 SEED = 4321
 VOCAB_SIZE = 4096

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from dprouter.sim.protocol import Kind
+from dprouter.sim.http.protocol import Kind
 
 DONE = b"data: [DONE]\n\n"
 

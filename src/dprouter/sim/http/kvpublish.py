@@ -24,8 +24,8 @@ from collections.abc import Iterable
 import zmq
 import zmq.asyncio
 
-from dprouter.sim.kvevents import KvEventsConfig, encode_batch
-from dprouter.sim.rank import Rank
+from dprouter.sim.model.kvevents import KvEventsConfig, encode_batch
+from dprouter.sim.model.rank import Rank
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 WILDCARDS = ("*", "0.0.0.0", "::", "[::]")

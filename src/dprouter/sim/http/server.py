@@ -14,21 +14,21 @@ from multidict import CIMultiDict
 
 from dprouter.core.log_filter import quiet_malformed
 from dprouter.core.net import bind, url_of
-from dprouter.sim import endpoints
-from dprouter.sim.audio import Audio
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.encoder import encoder_for
-from dprouter.sim.endpoints import Handler
-from dprouter.sim.engine import Engine
-from dprouter.sim.kvpublish import KvPublishers
-from dprouter.sim.metrics import vllm_registry
-from dprouter.sim.pd import Me
-from dprouter.sim.pd_side import PdSide
-from dprouter.sim.persona import persona_for
-from dprouter.sim.pooling import Pooling
-from dprouter.sim.request import SimRequest
-from dprouter.sim.runner import EngineRunner
-from dprouter.sim.stored import Responses
+from dprouter.sim.http import endpoints
+from dprouter.sim.http.audio import Audio
+from dprouter.sim.http.endpoints import Handler
+from dprouter.sim.http.kvpublish import KvPublishers
+from dprouter.sim.http.metrics import vllm_registry
+from dprouter.sim.http.pd import Me
+from dprouter.sim.http.pd_side import PdSide
+from dprouter.sim.http.persona import persona_for
+from dprouter.sim.http.pooling import Pooling
+from dprouter.sim.http.runner import EngineRunner
+from dprouter.sim.http.stored import Responses
+from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.encoder import encoder_for
+from dprouter.sim.model.engine import Engine
+from dprouter.sim.model.request import SimRequest
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from typing import Any
 
 import aiohttp
 
-from dprouter.sim.config import PdConfig
-from dprouter.sim.kvstore import KvStore
+from dprouter.sim.http.kvstore import KvStore
+from dprouter.sim.model.config import PdConfig
 
 MORIIO_ID = re.compile(r"^___prefill_addr_(?P<p>.+)___decode_addr_(?P<d>.+)_(?P<uid>[0-9a-f]+)$")
 

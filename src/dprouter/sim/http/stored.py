@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from dprouter.sim.served import Refused, body_of, dumps, fail, place
-from dprouter.sim.tokens import output_token, prompt_digest
+from dprouter.sim.http.served import Refused, body_of, dumps, fail, place
+from dprouter.sim.model.tokens import output_token, prompt_digest
 
 if TYPE_CHECKING:
-    from dprouter.sim.server import SimServer
+    from dprouter.sim.http.server import SimServer
 
 WORDS_MAX = 16  # output words actually written, whatever the budget
 SECONDS_PER_TOKEN = 0.1  # a background response's pace

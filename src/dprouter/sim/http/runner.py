@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from dprouter.sim.engine import Engine, Stepper
-from dprouter.sim.rank import Rank
-from dprouter.sim.request import SimRequest
+from dprouter.sim.model.engine import Engine, Stepper
+from dprouter.sim.model.rank import Rank
+from dprouter.sim.model.request import SimRequest
 
 # what a request's queue carries: tokens generated so far, and whether it is done
 Progress = tuple[int, bool]

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dprouter.sim.encoder import BuiltinEncoder, Encoder
+from dprouter.sim.model.encoder import BuiltinEncoder, Encoder
 
 DEFAULT_MAX_TOKENS = 16
 # the simulator's end of sequence: a prompt that ends with "eos=N" stops after N output

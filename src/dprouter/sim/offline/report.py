@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dprouter.sim.request import SimRequest
+from dprouter.sim.model.request import SimRequest
 
 
 @dataclass(frozen=True)

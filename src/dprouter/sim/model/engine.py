@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.dispatch import make_dispatcher
-from dprouter.sim.rank import Rank, RankPlan, StepEvents
-from dprouter.sim.request import SimRequest
+from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.dispatch import make_dispatcher
+from dprouter.sim.model.rank import Rank, RankPlan, StepEvents
+from dprouter.sim.model.request import SimRequest
 
 
 @dataclass

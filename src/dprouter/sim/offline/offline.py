@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.engine import Engine, Stepper, StepPlan
-from dprouter.sim.rank import Rank
-from dprouter.sim.report import RankUse, SimReport, summarise
-from dprouter.sim.request import SimRequest
+from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.engine import Engine, Stepper, StepPlan
+from dprouter.sim.model.rank import Rank
+from dprouter.sim.model.request import SimRequest
+from dprouter.sim.offline.report import RankUse, SimReport, summarise
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from dprouter.core.service import Service
-from dprouter.sim.config import EngineConfig
-from dprouter.sim.server import SimServer
+from dprouter.sim.http.server import SimServer
+from dprouter.sim.model.config import EngineConfig
 
 
 def fleet(count: int, config: EngineConfig) -> list[EngineConfig]:

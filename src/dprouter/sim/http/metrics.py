@@ -18,7 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from dprouter.sim.engine import Engine
+from dprouter.sim.model.engine import Engine
 
 LABELS = ["engine", "model_name"]
 # (series, help, attribute of Rank) for gauges and of RankStats for counters

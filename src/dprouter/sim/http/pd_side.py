@@ -16,14 +16,14 @@ import zmq.asyncio
 from aiohttp import web
 
 from dprouter.core.net import bind
-from dprouter.sim.config import PdConfig
-from dprouter.sim.kvstore import KvStore
-from dprouter.sim.pd import prefill_answer
-from dprouter.sim.request import SimRequest
-from dprouter.sim.tokens import prompt_digest
+from dprouter.sim.http.kvstore import KvStore
+from dprouter.sim.http.pd import prefill_answer
+from dprouter.sim.model.config import PdConfig
+from dprouter.sim.model.request import SimRequest
+from dprouter.sim.model.tokens import prompt_digest
 
 if TYPE_CHECKING:
-    from dprouter.sim.server import SimServer
+    from dprouter.sim.http.server import SimServer
 
 log = logging.getLogger("dprouter.sim")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from dprouter.sim.request import SimRequest
+from dprouter.sim.model.request import SimRequest
 
 
 class DecodeBatch:
