@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dprouter.bench import aliasing, burst, dp_attention, peers, prefix, sim_scale
 from dprouter.bench.command import bench
-from dprouter.bench.procs import Proc
-from dprouter.bench.results import Result, Table, write_report
+from dprouter.bench.harness import peer_routers
+from dprouter.bench.harness.procs import Proc
+from dprouter.bench.report.results import Result, Table, write_report
+from dprouter.bench.scenarios import aliasing, burst, dp_attention, prefix, sim_scale
 
 
 def test_aliasing_reproduces_half_idle_ranks_and_dprouter_covers_all(tmp_path: Path) -> None:
@@ -102,9 +103,11 @@ async def test_a_peer_whose_port_was_taken_starts_again_on_another() -> None:
             given.append(port)
             # the first port is taken between the draw and the peer's bind
             chosen = taken.getsockname()[1] if len(given) == 1 else port
-            return Proc([sys.executable, "-m", "dprouter.bench.backend", "--port", str(chosen)])
+            return Proc(
+                [sys.executable, "-m", "dprouter.bench.harness.backend", "--port", str(chosen)]
+            )
 
-        proc, url = await peers.start_on_free_port(build, seconds=30)
+        proc, url = await peer_routers.start_on_free_port(build, seconds=30)
         await proc.stop()
     assert len(given) == 2 and url == f"http://127.0.0.1:{given[1]}"
 

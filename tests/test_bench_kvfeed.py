@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dprouter.bench.harness import SimRouter, run_sessions
-from dprouter.bench.workloads import ChatSessions
+from dprouter.bench.harness.sim_router import SimRouter, run_sessions
+from dprouter.bench.harness.workloads import ChatSessions
 from dprouter.sim.model.config import EngineConfig, RankLimits
 
 U64 = (1 << 64) - 1

@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 import pytest
 
-from dprouter.bench.etcd_server import EtcdServer
+from dprouter.bench.harness.etcd_server import EtcdServer
 from dprouter.config import RouterConfig, parse_discovery
 from dprouter.core.errors import ConfigError
 from dprouter.fleet.membership.etcd_client import Etcd

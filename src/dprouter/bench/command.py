@@ -15,14 +15,14 @@ from typing import Any
 
 import click
 
-from dprouter.bench.results import Result, write_report
+from dprouter.bench.report.results import Result, write_report
 
-# scenario -> its module under dprouter.bench, whose run(quick, out, **options) -> Result
+# scenario -> its module under dprouter.bench.scenarios: run(quick, out, **options) -> Result
 SCENARIOS = {
     "aliasing": "aliasing",
     "dp-attention": "dp_attention",
     "prefix": "prefix",
-    "peers": "peers_quality",
+    "peers": "peers",
     "overhead": "overhead",
     "burst": "burst",
     "scale": "scale",
@@ -38,7 +38,9 @@ PD_MODES = ("sglang", "vllm-nixl")
 
 
 def scenario(name: str) -> Callable[..., Result]:
-    run: Callable[..., Result] = importlib.import_module(f"dprouter.bench.{MODULES[name]}").run
+    run: Callable[..., Result] = importlib.import_module(
+        f"dprouter.bench.scenarios.{MODULES[name]}"
+    ).run
     return run
 
 
@@ -77,7 +79,7 @@ def bench(
     try:
         from tqdm import tqdm
 
-        import dprouter.bench.plots  # noqa: F401 -- fails here, not mid-run, without matplotlib
+        import dprouter.bench.report.plots  # noqa: F401 -- fails here, not mid-run, without matplotlib
     except ModuleNotFoundError as exc:
         raise click.ClickException(
             f"dprouter bench needs the bench extra: pip install 'dprouter[bench]' ({exc})"

@@ -96,7 +96,7 @@ def build_app(
     app.cleanup_ctx.append(_lifecycle)
     app.add_routes([*Routes(parts).routes(), *EngineRoutes(parts).routes()])
     if config.dashboard:
-        from dprouter.server.dashboard import Dashboard
+        from dprouter.server.dashboard import Dashboard  # its files and window only when asked for
 
         dashboard = Dashboard(parts)
         app.add_routes(dashboard.routes())

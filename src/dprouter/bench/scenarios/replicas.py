@@ -25,10 +25,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from dprouter.bench.etcd_server import EtcdServer
-from dprouter.bench.peers_quality import ROLLOUT_ENGINE, SCALE
-from dprouter.bench.procs import DPROUTER, Proc, url_in
-from dprouter.bench.results import Cell, Result, Table
+from dprouter.bench.harness.etcd_server import EtcdServer
+from dprouter.bench.harness.procs import DPROUTER, Proc, url_in
+from dprouter.bench.report.results import Cell, Result, Table
+from dprouter.bench.scenarios.peers import ROLLOUT_ENGINE, SCALE
 from dprouter.fleet.membership.etcd_client import Etcd
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.model.config import EngineConfig, RankLimits

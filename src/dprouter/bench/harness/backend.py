@@ -4,7 +4,7 @@ It answers at once: a small JSON completion, or 16 SSE chunks then ``[DONE]``;
 ``/metrics`` shows one vLLM ``engine`` label (so routers discover one rank)
 and ``/server_info`` is absent, as on vLLM.
 
-    python -m dprouter.bench.backend --port 0    # prints "ready URL" once it listens
+    python -m dprouter.bench.harness.backend --port 0    # prints "ready URL" once it listens
 """
 
 from __future__ import annotations

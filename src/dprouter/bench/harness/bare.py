@@ -5,7 +5,7 @@ way a minimal proxy would. The overhead scenario runs it beside dprouter so
 the report separates what dprouter's own logic costs from what the stack it
 is built on costs.
 
-    python src/dprouter/bench/bare.py --port 0 --upstream http://127.0.0.1:20001
+    python src/dprouter/bench/harness/bare.py --port 0 --upstream http://127.0.0.1:20001
 
 Run as a file, it imports aiohttp alone (``python -m`` would load the dprouter
 package too, and its memory would count against the floor). It prints

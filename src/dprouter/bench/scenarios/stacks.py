@@ -25,9 +25,9 @@ from pathlib import Path
 
 import click
 
-from dprouter.bench import peers
-from dprouter.bench.overhead import BARE, LOADS, ROUNDS, Command, measure
-from dprouter.bench.results import Cell, Result, Table
+from dprouter.bench.harness import peer_routers
+from dprouter.bench.report.results import Cell, Result, Table
+from dprouter.bench.scenarios.overhead import BARE, LOADS, ROUNDS, Command, measure
 
 PINS = (
     "aiohttp==3.14.5",
@@ -37,11 +37,11 @@ PINS = (
     "uvloop==0.23.0",
 )
 CLIENTS = ("aiohttp", "pyreqwest", "pyqwest")
-SCRIPT = Path(__file__).with_name("stack_proxy.py")
+SCRIPT = Path(__file__).parents[1] / "harness" / "stack_proxy.py"
 
 
 def home() -> Path:
-    return peers.bench_home() / "stacks"
+    return peer_routers.bench_home() / "stacks"
 
 
 def python() -> str:
@@ -108,7 +108,7 @@ def run(quick: bool, out: Path) -> Result:
     why = ensure()
     if why is not None:
         raise click.ClickException(why)
-    kinds = ["dprouter", BARE, *STACKS, *peers.available()]
+    kinds = ["dprouter", BARE, *STACKS, *peer_routers.available()]
     commands = {name: command for name, (_, _, command) in STACKS.items()}
     seconds, rounds = (1.0, 1) if quick else (6.0, ROUNDS)
     found = asyncio.run(measure(kinds, seconds, rounds, commands))

@@ -22,19 +22,19 @@ from pathlib import Path
 
 import aiohttp
 
-from dprouter.bench import peers
-from dprouter.bench.procs import DPROUTER, Proc, url_in, urls_in
-from dprouter.bench.results import Cell, Result, Table
+from dprouter.bench.harness import peer_routers
+from dprouter.bench.harness.procs import DPROUTER, Proc, url_in, urls_in
+from dprouter.bench.report.results import Cell, Result, Table
 from dprouter.sim.offline.report import percentiles
 
 PIN = "inference-perf==0.7.0"
 RATE, OUTPUT = 8.0, 32
 GROUPS, SYSTEM, QUESTION = 8, 200, 50  # scenario 3's shape: shared system prompts
-HERE = Path(__file__).resolve().parent
+TOKENIZER = Path(__file__).resolve().parents[1] / "harness" / "ipf" / "make_tokenizer.py"
 
 
 def home() -> Path:
-    return peers.bench_home() / "inference-perf"
+    return peer_routers.bench_home() / "inference-perf"
 
 
 def python312() -> str | None:
@@ -72,7 +72,7 @@ def prepare() -> str | None:
             capture_output=True,
         )
         subprocess.run(
-            [str(venv / "bin" / "python"), str(HERE / "ipf" / "make_tokenizer.py"), str(tokenizer)],
+            [str(venv / "bin" / "python"), str(TOKENIZER), str(tokenizer)],
             check=True,
             timeout=120,
         )
@@ -213,7 +213,7 @@ async def measure(out: Path, seconds: int) -> dict[str, dict[str, float]]:
         workers = [a for u in urls_in(sim.lines, "vllm-") for a in ("--worker", u)]
         router = Proc([*DPROUTER, "serve", "--port", "0", *workers])
         url = url_in(await router.start(r"dprouter on http://"))
-        await peers.until_serving(url, model="sim-model", proc=router)
+        await peer_routers.until_serving(url, model="sim-model", proc=router)
         return {
             "inference-perf": await theirs(url, out, seconds),
             "dprouter bench": await ours(url, seconds),

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from dprouter.bench.plots import bars
-from dprouter.bench.results import Result, Table
+from dprouter.bench.report.plots import bars
+from dprouter.bench.report.results import Result, Table
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
 from dprouter.policies import RequestInfo, make_policy

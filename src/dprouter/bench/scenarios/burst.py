@@ -21,11 +21,11 @@ from typing import Any
 
 import aiohttp
 
-from dprouter.bench import peers
-from dprouter.bench.overhead import start_router
-from dprouter.bench.plots import bars
-from dprouter.bench.procs import DPROUTER, Proc, url_in, urls_in
-from dprouter.bench.results import Cell, Result, Table
+from dprouter.bench.harness import peer_routers
+from dprouter.bench.harness.procs import DPROUTER, Proc, url_in, urls_in
+from dprouter.bench.report.plots import bars
+from dprouter.bench.report.results import Cell, Result, Table
+from dprouter.bench.scenarios.overhead import start_router
 from dprouter.sim.offline.report import percentiles
 
 
@@ -78,7 +78,7 @@ async def burst(url: str, n: int, model: str = "bench") -> dict[str, Any]:
 
 
 async def plain(kind: str, n: int) -> dict[str, Any]:
-    backend = Proc([sys.executable, "-m", "dprouter.bench.backend", "--port", "0"])
+    backend = Proc([sys.executable, "-m", "dprouter.bench.harness.backend", "--port", "0"])
     try:
         proc, url = await start_router(kind, url_in(await backend.start("ready")))
         try:
@@ -109,7 +109,7 @@ async def pd(n: int, mode: str = "sglang") -> dict[str, Any]:
         router = Proc(args)
         procs.append(router)
         url = url_in(await router.start(r"dprouter on http://"))
-        await peers.until_serving(url, model="sim-model", proc=router)
+        await peer_routers.until_serving(url, model="sim-model", proc=router)
         return await burst(url, n, model="sim-model")
     finally:
         for proc in reversed(procs):
@@ -119,7 +119,7 @@ async def pd(n: int, mode: str = "sglang") -> dict[str, Any]:
 async def measure(sizes: Sequence[int], pd_modes: Sequence[str]) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for n in sizes:
-        for kind in ("dprouter", *peers.available()):
+        for kind in ("dprouter", *peer_routers.available()):
             found[f"{kind}, plain, {n}"] = await plain(kind, n)
         for mode in pd_modes:
             found[f"dprouter, P/D {mode}, {n}"] = await pd(n, mode)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from dprouter.bench.kvfeed import SimKvFeed
+from dprouter.bench.harness.kvfeed import SimKvFeed
 from dprouter.fleet.engine_load import assign
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Outstanding, Target, Worker

@@ -19,10 +19,10 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from dprouter.bench.harness import Sessions, SimRouter, run_sessions
-from dprouter.bench.plots import bars
-from dprouter.bench.results import Cell, Result, Table
-from dprouter.bench.workloads import ChatSessions, HotPrompt
+from dprouter.bench.harness.sim_router import Sessions, SimRouter, run_sessions
+from dprouter.bench.harness.workloads import ChatSessions, HotPrompt
+from dprouter.bench.report.plots import bars
+from dprouter.bench.report.results import Cell, Result, Table
 from dprouter.policies import PolicyOptions
 from dprouter.sim.model.config import EngineConfig, RankLimits
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import aiohttp
 
-from dprouter.bench import peers
-from dprouter.bench.peers_checks import ORACLE, aims, hits, processes
-from dprouter.bench.plots import bars
-from dprouter.bench.procs import DPROUTER, Proc, url_in
-from dprouter.bench.results import Cell, Result, Table
+from dprouter.bench.harness import peer_routers
+from dprouter.bench.harness.procs import DPROUTER, Proc, url_in
+from dprouter.bench.report.plots import bars
+from dprouter.bench.report.results import Cell, Result, Table
+from dprouter.bench.scenarios.peers_checks import ORACLE, aims, hits, processes
 from dprouter.core.tokenizer import ModelTokenizer
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.http.server import SimServer
@@ -133,8 +133,8 @@ async def start(run: Run, servers: Sequence[SimServer], engine: EngineConfig) ->
     urls = [s.url for s in servers]
     dp = engine.dp_size
     if run.kind != "dprouter":
-        return await peers.start_on_free_port(
-            lambda port: peers.router(
+        return await peer_routers.start_on_free_port(
+            lambda port: peer_routers.router(
                 run.kind,
                 urls,
                 port,
@@ -168,7 +168,7 @@ async def start(run: Run, servers: Sequence[SimServer], engine: EngineConfig) ->
         ]
     )
     url = url_in(await proc.start(r"dprouter on http://"))
-    await peers.until_serving(url, 90, model="sim-model", proc=proc)
+    await peer_routers.until_serving(url, 90, model="sim-model", proc=proc)
     return proc, url
 
 
@@ -257,7 +257,7 @@ async def measure(
     range), turn latencies pooled; and each row's busiest/mean seed by seed. The paired
     rows run interleaved, seed after seed through each of them, so that a slower stretch of
     a shared machine falls on all of them alike."""
-    usable = set(peers.available()) | {"dprouter"}
+    usable = set(peer_routers.available()) | {"dprouter"}
     chosen = [r for r in runs if r.kind in usable and not (quick and r.name not in QUICK)]
     per_seed: dict[str, list[dict[str, float]]] = {r.name: [] for r in chosen}
     latencies: dict[str, list[float]] = {r.name: [] for r in chosen}
@@ -413,11 +413,11 @@ def run(quick: bool, out: Path) -> Result:
         for name, m in chats.items()
     ]
     failed = [n for n, m in {**rollouts, **chats}.items() if "failed" in m]
-    usable = set(peers.available()) | {"dprouter"}
+    usable = set(peer_routers.available()) | {"dprouter"}
     missing = [r.name for r in (*ROLLOUT_RUNS, *PREFIX_RUNS) if r.kind not in usable]
     names = list(rollouts)
     bars(
-        out / "peers.png",
+        out / "peer_routers.png",
         [n.replace(", ", "\n", 1) for n in names],
         {"mean step, ms": [rollouts[n].get("step_ms", 0.0) for n in names]},
         "DP attention rollouts: mean forward step behind each router",
@@ -445,7 +445,7 @@ def run(quick: bool, out: Path) -> Result:
             "as max_tokens and dprouter counts it as sent (--output-budget cap), so min_tokens "
             "knows every decode's length at admission. "
             "Peers: "
-            + peers.__doc__.split("Command lines, as run:")[1]
+            + peer_routers.__doc__.split("Command lines, as run:")[1]
             .split("Known limits")[0]
             .strip()
             .replace("\n", " ")
@@ -471,7 +471,7 @@ def run(quick: bool, out: Path) -> Result:
         ],
         verdict=verdict(missing, failed),
         checks=checks,
-        plots=["peers.png"],
+        plots=["peer_routers.png"],
         data={"rollouts": rollouts, "chat": chats, "balances": balances},
     )
 

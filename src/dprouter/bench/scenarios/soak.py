@@ -21,10 +21,10 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from dprouter.bench.peers import until_serving
-from dprouter.bench.plots import lines
-from dprouter.bench.procs import DPROUTER, Proc, rss_mb, url_in
-from dprouter.bench.results import Cell, Result, Table
+from dprouter.bench.harness.peer_routers import until_serving
+from dprouter.bench.harness.procs import DPROUTER, Proc, rss_mb, url_in
+from dprouter.bench.report.plots import lines
+from dprouter.bench.report.results import Cell, Result, Table
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.model.config import EngineConfig, Faults
 

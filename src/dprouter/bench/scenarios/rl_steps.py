@@ -18,8 +18,8 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 from typing import NamedTuple
 
-from dprouter.bench.harness import SimRouter, run_sessions
-from dprouter.bench.workloads import RolloutSessions
+from dprouter.bench.harness.sim_router import SimRouter, run_sessions
+from dprouter.bench.harness.workloads import RolloutSessions
 from dprouter.policies import PolicyOptions
 from dprouter.sim.model.config import CostModel, EngineConfig, RankLimits
 

@@ -20,11 +20,11 @@ import os
 import sys
 import time
 
-from dprouter.bench import peers
-from dprouter.bench.load import Outcome, closed_loop
-from dprouter.bench.overhead import merge
-from dprouter.bench.procs import DPROUTER, Proc, cpu_seconds, preemptions, url_in
-from dprouter.bench.results import Cell, Table
+from dprouter.bench.harness import peer_routers
+from dprouter.bench.harness.load import Outcome, closed_loop
+from dprouter.bench.harness.procs import DPROUTER, Proc, cpu_seconds, preemptions, url_in
+from dprouter.bench.report.results import Cell, Table
+from dprouter.bench.scenarios.overhead import merge
 
 LOADS = (("plain, 64 connections", 64), ("plain, 512 connections", 512))
 ONE, TWO = "dprouter --processes 1", "dprouter --processes 2"
@@ -36,14 +36,16 @@ async def start(kind: str, backend: str) -> tuple[Proc, str]:
         n = "2" if kind == TWO else "1"
         proc = Proc([*argv, "--port", "0", "--load-interval", "0", "--processes", n])
         url = url_in(await proc.start(r"dprouter on http://"))
-        await peers.until_serving(url, proc=proc)
+        await peer_routers.until_serving(url, proc=proc)
         return proc, url
-    return await peers.start_on_free_port(lambda port: peers.router(kind, [backend], port))
+    return await peer_routers.start_on_free_port(
+        lambda port: peer_routers.router(kind, [backend], port)
+    )
 
 
 async def measure(seconds: float, rounds: int) -> dict[str, dict[str, dict[str, float]]]:
-    kinds = [ONE, TWO, *peers.available()]
-    backend = Proc([sys.executable, "-m", "dprouter.bench.backend", "--port", "0"])
+    kinds = [ONE, TWO, *peer_routers.available()]
+    backend = Proc([sys.executable, "-m", "dprouter.bench.harness.backend", "--port", "0"])
     backend_url = url_in(await backend.start("ready"))
     routers: dict[str, tuple[Proc, str]] = {}
     pooled = {(k, name): Outcome() for k in kinds for name, _ in LOADS}

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from dprouter.bench.results import Cell, Result, Table
+from dprouter.bench.report.results import Cell, Result, Table
 from dprouter.sim.model.config import EngineConfig
 from dprouter.sim.offline.offline import Arrival, Cluster, OfflineSim
 from dprouter.sim.offline.report import SimReport

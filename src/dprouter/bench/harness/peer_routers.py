@@ -31,7 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-from dprouter.bench.procs import Proc, free_port
+from dprouter.bench.harness.procs import Proc, free_port
 
 # kind -> (its environment under the bench home, the pinned package, its binary)
 PEERS = {

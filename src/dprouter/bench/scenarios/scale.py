@@ -14,9 +14,9 @@ import statistics
 import time
 from pathlib import Path
 
-from dprouter.bench.harness import SimRouter
-from dprouter.bench.plots import lines
-from dprouter.bench.results import Cell, Result, Table
+from dprouter.bench.harness.sim_router import SimRouter
+from dprouter.bench.report.plots import lines
+from dprouter.bench.report.results import Cell, Result, Table
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target, Worker
 from dprouter.policies import POLICIES, PolicyOptions, Prefix, RequestInfo, make_policy
@@ -24,7 +24,7 @@ from dprouter.sim.model.config import EngineConfig, RankLimits
 from dprouter.sim.offline.offline import Arrival, OfflineSim
 
 SIZES = (64, 256, 1024, 4096)
-BEFORE = Path(__file__).parents[3] / "bench" / "baselines" / "scale-before.json"
+BEFORE = Path(__file__).parents[4] / "bench" / "baselines" / "scale-before.json"
 LIMITS = {64: 5.0, 4096: 20.0}  # us per decision the policies are held to
 REPEATS = 5
 QUALITY = ("round_robin", "least_load", "power_of_two", "cache_aware")

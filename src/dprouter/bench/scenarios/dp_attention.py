@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dprouter.bench.plots import bars
-from dprouter.bench.results import Cell, Result, Table
-from dprouter.bench.rl_steps import (
+from dprouter.bench.report.plots import bars
+from dprouter.bench.report.results import Cell, Result, Table
+from dprouter.bench.scenarios.rl_steps import (
     DEADLINE,
     KV_TOKENS,
     ORACLE,

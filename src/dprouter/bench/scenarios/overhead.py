@@ -5,7 +5,7 @@ load generator share core 1. Closed-loop load at 64 and 512 connections
 (plain requests) and 64 connections (16-chunk streams), one measurement
 after another, in interleaved rounds: on a shared, noisy machine a slow
 spell then falls on every router alike, so the ratios hold. A bare aiohttp proxy
-(``bench/bare.py``) runs too: the floor of the stack dprouter is built on.
+(``bench/harness/bare.py``) runs too: the floor of the stack dprouter is built on.
 Router CPU is read from /proc (the whole process tree), peak memory is VmHWM.
 """
 
@@ -18,11 +18,11 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from dprouter.bench import peers
-from dprouter.bench.load import Outcome, closed_loop
-from dprouter.bench.plots import bars
-from dprouter.bench.procs import DPROUTER, Proc, cpu_seconds, peak_rss_mb, url_in
-from dprouter.bench.results import Cell, Result, Table
+from dprouter.bench.harness import peer_routers
+from dprouter.bench.harness.load import Outcome, closed_loop
+from dprouter.bench.harness.procs import DPROUTER, Proc, cpu_seconds, peak_rss_mb, url_in
+from dprouter.bench.report.plots import bars
+from dprouter.bench.report.results import Cell, Result, Table
 
 LOADS = (
     ("plain, 64 connections", 64, False),
@@ -31,7 +31,7 @@ LOADS = (
 )
 ROUTER_CORE, CLIENT_CORE = "0", {1}
 BARE = "bare aiohttp proxy"  # dprouter's HTTP stack with none of its logic: the floor
-BARE_SCRIPT = Path(__file__).with_name("bare.py")
+BARE_SCRIPT = Path(__file__).parents[1] / "harness" / "bare.py"
 ROUNDS = 4  # interleaved rounds per full run: the machine's noise falls on every router alike
 
 
@@ -58,12 +58,12 @@ async def start_router(
         return None, backend
     if commands and kind in commands:
         command = commands[kind]
-        return await peers.start_on_free_port(
+        return await peer_routers.start_on_free_port(
             lambda port: Proc(command(port, backend), cpus=ROUTER_CORE)
         )
     if kind not in ("dprouter", BARE):
-        return await peers.start_on_free_port(
-            lambda port: peers.router(kind, [backend], port, cpus=ROUTER_CORE)
+        return await peer_routers.start_on_free_port(
+            lambda port: peer_routers.router(kind, [backend], port, cpus=ROUTER_CORE)
         )
     if kind == "dprouter":
         argv = [*DPROUTER, "serve", "--worker", f"{backend},dialect=vllm,dp_size=1"]
@@ -73,7 +73,7 @@ async def start_router(
         argv = [sys.executable, str(BARE_SCRIPT), "--port", "0", "--upstream", backend]
         proc = Proc(argv, cpus=ROUTER_CORE)
         url = url_in(await proc.start("ready"))
-    await peers.until_serving(url, proc=proc)
+    await peer_routers.until_serving(url, proc=proc)
     return proc, url
 
 
@@ -86,7 +86,9 @@ async def measure(
     """Every router up at once; ``rounds`` rounds, each measuring every router's loads
     in turn for ``seconds`` / ``rounds``, pooled. Interleaved so that a noisy spell of a
     shared machine falls on all of them alike, not on whichever ran then."""
-    backend = Proc([sys.executable, "-m", "dprouter.bench.backend", "--port", "0"], cpus="1")
+    backend = Proc(
+        [sys.executable, "-m", "dprouter.bench.harness.backend", "--port", "0"], cpus="1"
+    )
     backend_url = url_in(await backend.start("ready"))
     routers: dict[str, tuple[Proc | None, str]] = {}
     pooled = {(k, name): Outcome() for k in kinds for name, _, _ in LOADS}
@@ -141,9 +143,9 @@ def summary(o: Outcome, cpu: float) -> dict[str, float]:
 
 
 def run(quick: bool, out: Path) -> Result:
-    from dprouter.bench import cores  # it imports this module's helpers
+    from dprouter.bench.scenarios import cores  # it imports this module's helpers
 
-    kinds = ["direct", "dprouter", BARE, *peers.available()]
+    kinds = ["direct", "dprouter", BARE, *peer_routers.available()]
     found = asyncio.run(measure(kinds, 1.0 if quick else 12.0, 1 if quick else ROUNDS))
     every = asyncio.run(cores.measure(2.0 if quick else 12.0, 1 if quick else ROUNDS))
     rows: list[list[Cell]] = []

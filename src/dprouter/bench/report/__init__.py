@@ -1,0 +1,1 @@
+"""What a scenario found (``results``: tables, checks, the report) and its plots."""
