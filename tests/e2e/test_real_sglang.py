@@ -16,11 +16,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from e2e.sglang import server as sglang_server
 from e2e.sglang.server import SglangServer
 
 from dprouter.config import RouterConfig
 from dprouter.fleet import engine_load
 from dprouter.fleet.worker_spec import WorkerSpec
+from e2e import beside
 from tests.conftest import StartRouter, until
 from tests.e2e.conftest import SUMMARY
 
@@ -262,3 +264,19 @@ async def test_the_engine_killed_mid_run_then_restarted(
     assert set(outcomes) <= {"http_502", "http_503"}  # a clear error, each of them
     assert sum(outcomes.values()) == 10
     assert ranks == {0: 2, 1: 2}  # traffic on both ranks again
+
+
+async def test_dprouter_installs_beside_sglang_and_routes_from_there(
+    sglang_dp2: SglangServer,
+) -> None:
+    """``pip install`` of dprouter into SGLang's own environment (where an RL framework
+    imports it) changes none of SGLang's packages and adds no problem to ``pip check``;
+    a ``Router`` run from there routes to the engine's ranks."""
+    python = sglang_server.venv_python()
+    done = await asyncio.to_thread(beside.install, python)
+    assert done.changed == {}, done.changed
+    assert done.new_problems == [], done.new_problems
+    answer = await asyncio.to_thread(beside.embedded, python, sglang_dp2.url)
+    assert str(answer["imported_from"]).startswith(str(sglang_server.home()))
+    assert (answer["status"], answer["ranks"]) == (200, 2)
+    SUMMARY.append(f"dprouter beside SGLang: added {sorted(done.added)}, changed nothing")

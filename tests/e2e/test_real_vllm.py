@@ -16,7 +16,7 @@ from dprouter.config import RouterConfig
 from dprouter.fleet import engine_load
 from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import WorkerSpec
-from e2e import vllm_server
+from e2e import beside, vllm_server
 from tests.conftest import StartRouter, until
 from tests.e2e.conftest import SUMMARY
 
@@ -328,3 +328,19 @@ async def test_the_engine_killed_mid_run_then_restarted(
     assert set(outcomes) <= {"http_502", "http_503", "http_200_whole"}
     assert sum(outcomes.values()) == 12
     assert Counter(served) == {"w0/0": 2, "w0/1": 2}  # traffic resumes on both ranks
+
+
+async def test_dprouter_installs_beside_vllm_and_routes_from_there(
+    vllm_dp2: vllm_server.VllmServer,
+) -> None:
+    """``pip install`` of dprouter into vLLM's own environment (where an RL framework
+    imports it) changes none of vLLM's packages and adds no problem to ``pip check``;
+    a ``Router`` run from there routes to the engine's ranks."""
+    python = vllm_server.venv_python()
+    done = await asyncio.to_thread(beside.install, python)
+    assert done.changed == {}, done.changed
+    assert done.new_problems == [], done.new_problems
+    answer = await asyncio.to_thread(beside.embedded, python, vllm_dp2.url)
+    assert str(answer["imported_from"]).startswith(str(vllm_server.home()))
+    assert (answer["status"], answer["ranks"]) == (200, 2)
+    SUMMARY.append(f"dprouter beside vLLM: added {sorted(done.added)}, changed nothing")
