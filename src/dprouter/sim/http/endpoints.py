@@ -48,9 +48,6 @@ class Endpoints:
                 web.get("/version", self.version),
                 web.post("/reset_prefix_cache", self.reset_cache),
                 web.get("/kv_event_sources", self.kv_event_sources),
-                # engine control: served here so tests can show the router never passes it on
-                web.post("/sleep", self.reset_cache),
-                web.post("/wake_up", self.reset_cache),
             ]
         return [
             *common,
@@ -61,8 +58,6 @@ class Endpoints:
             web.get("/health_generate", self.ping),
             web.get("/model_info", self.model_info),
             web.get("/get_model_info", self.model_info),
-            web.route("*", "/flush_cache", self.reset_cache),
-            web.post("/update_weights_from_disk", self.reset_cache),
             web.post("/abort_request", self.abort_request),
             # SGLang 0.5.23 answers /get_load with 404
             *([web.get("/get_load", self.get_load)] if self.server.config.legacy_sglang else []),
@@ -124,15 +119,17 @@ class Endpoints:
 
     async def model_info(self, _: web.Request) -> web.Response:
         config = self.server.config
-        info = {"model_path": config.model, "tokenizer_path": config.model, "is_generation": True}
+        info = {
+            "model_path": config.model,
+            "tokenizer_path": config.model,
+            "is_generation": True,
+            "weight_version": self.server.weights.version,  # what an update set
+        }
         return web.json_response(info)
 
-    async def reset_cache(self, request: web.Request) -> web.Response:
-        """Cache resets and engine control: counted (in ``hits``), answered 200."""
-        if request.path in ("/reset_prefix_cache", "/flush_cache"):
-            self.server.reset_prefix_cache()
-        if self.server.persona.name == "sglang" and request.path == "/flush_cache":
-            return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
+    async def reset_cache(self, _: web.Request) -> web.Response:
+        """vLLM's ``/reset_prefix_cache`` (SGLang's ``/flush_cache``: ``weights``)."""
+        self.server.reset_prefix_cache()
         return web.Response(status=200)
 
     async def kv_event_sources(self, _: web.Request) -> web.Response:
@@ -141,11 +138,18 @@ class Endpoints:
         return web.json_response(kv.sources() if kv is not None else {})
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        """By rid, every rid starting with it (``prefix``), or all (``abort_all``)."""
         try:
-            rid = (await request.json()).get("rid")
+            body = await request.json()
+            rid, every, prefix = body.get("rid"), body.get("abort_all"), body.get("prefix")
         except (ValueError, AttributeError):
             return web.json_response({"error": "body must be a JSON object"}, status=400)
-        self.server.abort_requests.append(rid)
-        if isinstance(rid, str):
-            self.server.runner.abort_rid(rid)
+        self.server.abort_requests.append(rid if not every else "*")
+        runner = self.server.runner
+        if every:
+            runner.abort_all()
+        elif isinstance(rid, str) and prefix:
+            runner.abort_prefix(rid)
+        elif isinstance(rid, str):
+            runner.abort_rid(rid)
         return web.Response(status=200)  # as SGLang: known or not

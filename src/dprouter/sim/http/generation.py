@@ -114,6 +114,7 @@ class Generation:
         if failed is not None:
             server.record(self.request, body, None)
             return failed
+        await server.weights.admitted()  # a paused engine holds new requests
         req = SimRequest(
             rid,
             parsed.prompt_ids,
@@ -195,6 +196,7 @@ class Generation:
                 True,
                 self.server.runner.now() - req.arrival,
             )
+            meta["weight_version"] = self.server.weights.version
             body: dict[str, Any] = {
                 "text": text,
                 "output_ids": self.server.encoder.encode(text, special=False),
@@ -253,6 +255,7 @@ class Generation:
                         done,
                         self.server.runner.now() - req.arrival,
                     )
+                    meta["weight_version"] = self.server.weights.version
                     await resp.write(sse({"text": text, "meta_info": meta}))
                 else:
                     await resp.write(render.piece(piece, done))

@@ -36,6 +36,7 @@ class EngineRunner:
         self._live: dict[str, SimRequest] = {}  # by rid, for SGLang's /abort_request
         self._tasks: list[asyncio.Task[None]] = []
         self._virtual_floor = 0.0  # virtual time never runs backwards past a committed step
+        self._held = False  # paused: no step begins (the step running ends)
 
     def now(self) -> float:
         return max((self._loop.time() - self._t0) / self.scale, self._virtual_floor)
@@ -80,10 +81,29 @@ class EngineRunner:
             queue.put_nowait((ABORTED, True))
         return True
 
+    def live(self) -> int:
+        """Requests in the engine: running or waiting."""
+        return len(self._live)
+
+    def abort_all(self) -> int:
+        """Abort every request in the engine; their handlers end them. How many."""
+        return self.abort_prefix("")
+
+    def abort_prefix(self, prefix: str) -> int:
+        """Abort every request whose id starts with ``prefix``. How many."""
+        return sum(self.abort_rid(rid) for rid in list(self._live) if rid.startswith(prefix))
+
+    def hold(self, held: bool) -> None:
+        """Paused (True): no step begins until released; requests stay where they are."""
+        self._held = held
+        if not held:
+            for wake in self._wake.values():
+                wake.set()
+
     async def _drive(self, stepper: Stepper) -> None:
         wake = self._wake[stepper]
         while True:
-            if not stepper.has_work():
+            if self._held or not stepper.has_work():
                 wake.clear()
                 await wake.wait()
                 continue

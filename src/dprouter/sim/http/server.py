@@ -25,6 +25,7 @@ from dprouter.sim.http.persona import persona_for
 from dprouter.sim.http.pooling import Pooling
 from dprouter.sim.http.runner import EngineRunner
 from dprouter.sim.http.stored import Responses
+from dprouter.sim.http.weights import Weights
 from dprouter.sim.model.config import EngineConfig
 from dprouter.sim.model.encoder import encoder_for
 from dprouter.sim.model.engine import Engine
@@ -75,6 +76,7 @@ class SimServer:
         self._site: web.SockSite | None = None
         self.engine: Engine
         self.runner: EngineRunner
+        self.weights: Weights
         self.pd = PdSide(self, config.pd) if config.pd is not None else None
         self.responses = Responses(self)
         self.audio = Audio(self)  # kept across restarts: what each rank took, in all
@@ -110,6 +112,7 @@ class SimServer:
         if self.persona.name == "vllm":
             self.registry = vllm_registry(self.engine)
         app.add_routes(endpoints.Endpoints(self).routes())
+        app.add_routes(self.weights.routes())
         app.add_routes(Pooling(self).routes())
         app.add_routes(self.audio.routes())
         app.add_routes(self.responses.routes())
@@ -130,6 +133,7 @@ class SimServer:
             await self.kv.start()
         self.runner = EngineRunner(self.engine, self.kv.flush if self.kv is not None else None)
         self.runner.start()
+        self.weights = Weights(self)  # a restarted engine runs, with the weights it loads
         self.generation_requests = 0
         self.started_at = asyncio.get_running_loop().time()
         if self.pd is not None:
