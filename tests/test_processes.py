@@ -462,3 +462,37 @@ async def test_a_stored_response_is_found_whichever_process_takes_the_follow_up(
 
     seen = await asyncio.gather(*(fetch() for _ in range(20)))  # both processes take some
     assert set(seen) == {(200, made_by)}
+
+
+async def test_a_pause_through_either_process_holds_the_workers_in_both(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    """Engine commands run in the parent: a pause any process took holds every process's
+    requests, and the update's version reaches every answer after it (P/D: both roles)."""
+    roles = [PdConfig(mode="sglang", role=role, kv_wait=2.0) for role in ("prefill", "decode")]
+    cluster = await start_cluster(
+        [EngineConfig(persona="sglang", dp_size=2, pd=pd) for pd in roles]
+    )
+    prefill, decode = cluster.servers
+    specs = (WorkerSpec(prefill.url, role="prefill"), WorkerSpec(decode.url, role="decode"))
+    sup = await start_processes(RouterConfig(pd="sglang", workers=specs))
+    async with fresh() as s:
+        async with s.post(sup.url + "/pause_generation", json={"mode": "retract"}) as r:
+            assert r.status == 200 and len((await r.json())["workers"]) == 2
+        async with s.get(sup.url + "/v1/rl/workers") as r:
+            held = [w["held"] for w in (await r.json())["workers"]]
+        assert held == ["paused", "paused"]
+    waiting = [asyncio.create_task(pair(sup.url, i)) for i in range(8)]  # over both processes
+    await asyncio.sleep(0.5)
+    assert not any(t.done() for t in waiting) and not decode.received
+    async with fresh() as s:
+        version = {"new_version": "v2", "abort_all_requests": False}
+        async with s.post(sup.url + "/update_weight_version", json=version) as r:
+            assert r.status == 200
+        async with s.post(sup.url + "/continue_generation", json={}) as r:
+            assert r.status == 200
+    await asyncio.wait_for(asyncio.gather(*waiting), 10)
+    assert len(decode.received) == 8 and decode.weights.version == "v2"
+    async with fresh() as s, s.post(sup.url + "/v1/completions", json=SHORT) as r:
+        assert r.headers["x-dprouter-weight-version"] == "v2"
+    assert await until(lambda: in_flight(sup) == 0)

@@ -14,6 +14,7 @@ from dprouter.core.errors import ConfigError
 from dprouter.core.net import url_of
 from dprouter.fleet import engine_load, probe
 from dprouter.fleet.targets import Worker
+from dprouter.server.admin import trusted
 from dprouter.sim.http.server import SimServer
 from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import (
@@ -44,7 +45,7 @@ async def test_vllm_ranks_come_from_metrics_and_a_contradiction_is_refused(
     assert bad.state == "error" and "configured with dp_size 4" in (bad.error or "")
     assert [t.label for t in router.registry.snapshot.pool()] == ["w0/0", "w0/1"]
     async with http.get(router.url + "/workers", headers=ADMIN) as r:
-        listed = await r.json()
+        listed = (await r.json())["workers"]
     assert [(w["id"], w["state"], len(w["targets"])) for w in listed] == [
         ("w0", "ready", 2),
         ("w1", "error", 0),
@@ -261,14 +262,19 @@ async def test_a_health_check_answered_404_is_a_failure(
     assert "GET /health answered 404" in (worker.error or "")
 
 
-async def test_admin_api_is_off_without_a_token(
+async def test_without_a_token_the_admin_api_answers_loopback_and_named_networks_only(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     (engine,) = (await start_cluster([EngineConfig()])).servers
     router = await start_router(RouterConfig(workers=workers(engine.url)))
-    async with http.get(router.url + "/workers", headers=ADMIN) as r:
-        assert r.status == 403
-        assert "admin API is off" in (await r.json())["error"]["message"]
+    async with http.get(router.url + "/workers") as r:  # this test calls from loopback
+        assert r.status == 200 and [w["url"] for w in (await r.json())["workers"]] == [engine.url]
+    assert trusted("127.0.0.1", ()) and trusted("::1", ()) and trusted("127.3.0.9", ())
+    assert not trusted("10.1.2.3", ()) and not trusted(None, ()) and not trusted("", ())
+    assert trusted("10.1.2.3", ("10.0.0.0/8",)) and trusted("fd00::5", ("fd00::/8", "10.0.0.1"))
+    assert not trusted("192.168.0.1", ("10.0.0.0/8",))
+    with pytest.raises(ConfigError, match="admin_from"):
+        validate(RouterConfig(admin_from=("10.0.0.0/33",)))
 
 
 async def test_dp_aware_off_warns_at_start_up_and_for_each_dp_engine(

@@ -11,8 +11,10 @@ contradictions fail with a message that says what to change:
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -82,7 +84,12 @@ class RouterConfig:
     # --discovery (a replica sees the others' requests only in the engines' reports)
     load_interval: float | None = None
     startup_timeout: float = 10.0  # serve waits this long for discovery, then checks workers
-    admin_token: str | None = None  # None: the admin API is off
+    # None: the admin API (workers, engine commands) is open to loopback and admin_from only
+    admin_token: str | None = None
+    admin_from: tuple[str, ...] = ()  # without a token: networks (CIDR) the admin API trusts
+    # seconds a request waits while every worker that could serve it is paused or updating
+    # its weights (or has not reached the version it asks for) before a 503
+    hold_wait: float = 60.0
     dashboard: bool = False  # /dashboard and /dashboard/data; behind admin_token when set
     pd: PdMode | None = None  # P/D disaggregation flow, chosen once; None: regular workers
     prefill_policy: str | None = None  # None: --policy (round_robin)
@@ -236,6 +243,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         "session_bound",
         "cache_bound",
         "startup_timeout",
+        "hold_wait",
     ):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
@@ -243,6 +251,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
     check_prefix(config)
+    admin_networks(config.admin_from)
     if config.output_budget not in ("typical", "cap"):
         raise ConfigError(f"output_budget must be typical or cap, got {config.output_budget!r}")
     if not 0 <= config.cache_threshold <= 1:
@@ -297,7 +306,31 @@ def validate(config: RouterConfig) -> RouterConfig:
         processes=processes,
         load_interval=load_interval,
         tokenizers=tuple(config.tokenizers),
+        admin_from=tuple(config.admin_from),
     )
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def admin_exposure(config: RouterConfig) -> str:
+    """What a router without an admin token opens, and to whom: said loudly at start-up."""
+    whom = ", ".join(["loopback", *config.admin_from])
+    return (
+        f"no --admin-token: the admin API (adding and removing workers, pausing engines, "
+        f"weight updates, aborts) answers anyone on {whom} without a token; give "
+        "--admin-token to require one"
+    )
+
+
+def admin_networks(given: Sequence[str]) -> tuple[Network, ...]:
+    """``--admin-from``: the networks, each a CIDR or one address."""
+    if not isinstance(given, tuple | list) or not all(isinstance(n, str) for n in given):
+        raise ConfigError(f"admin_from must be a list of networks (CIDR), got {given!r}")
+    try:
+        return tuple(ipaddress.ip_network(n.strip(), strict=False) for n in given)
+    except ValueError as exc:
+        raise ConfigError(f"admin_from: {exc}") from None
 
 
 def check_prefix(config: RouterConfig) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import click
 from click.decorators import FC
 
-from dprouter.config import RouterConfig, load_file, validate
+from dprouter.config import RouterConfig, admin_exposure, load_file, validate
 from dprouter.core import gc_tuning
 from dprouter.core.errors import ConfigError
 from dprouter.core.types import PD_MODES, ROLES
@@ -356,7 +356,27 @@ def make_config(
 @option(
     "--admin-token",
     envvar="DPROUTER_ADMIN_TOKEN",
-    help="Enables /workers; also read from DPROUTER_ADMIN_TOKEN.",
+    help=(
+        "Every admin call (/workers, engine commands) must carry it; also read from "
+        "DPROUTER_ADMIN_TOKEN. Without it they are taken from loopback and --admin-from only."
+    ),
+)
+@option(
+    "--admin-from",
+    multiple=True,
+    metavar="CIDR",
+    help=(
+        "Without --admin-token: a network whose hosts may make admin calls besides loopback "
+        "(engines registering from their own hosts); repeat it for several."
+    ),
+)
+@option(
+    "--hold-wait",
+    type=click.FloatRange(min=0),
+    help=(
+        "Seconds a request waits while every worker that could serve it is paused or "
+        "updating its weights (or older than the version it asks for), before a 503."
+    ),
 )
 @option(
     "--dashboard",
@@ -390,13 +410,6 @@ def serve(
         raise click.UsageError(str(exc)) from None
     except TypeError as exc:
         raise click.UsageError(f"bad option in the configuration: {exc}") from None
-    if (
-        not (config.workers or config.admin_token or config.discovery)
-        and config.pd != "vllm-moriio"
-    ):
-        raise click.UsageError(
-            "no --worker given, no --discovery and no --admin-token to add workers later"
-        )
     try:
         asyncio.run(run(config))
     except ConfigError as exc:  # what the configuration names is missing or unreadable
@@ -444,6 +457,10 @@ async def run(config: RouterConfig) -> None:
             targets,
             config.process_count,
         )
+        if config.admin_token is None:
+            log.warning(admin_exposure(config))
+        if not config.workers and config.discovery is None and config.pd != "vllm-moriio":
+            log.warning("no worker yet: engines join with POST /workers (docs/rl.md)")
         if isinstance(router, Supervisor):  # it may find it cannot serve after all
             await asyncio.wait(
                 [asyncio.create_task(e.wait()) for e in (stop, router.gave_up)],

@@ -28,6 +28,8 @@ HOP_BY_HOP = frozenset(
 )
 TARGET_HEADER = "x-dprouter-target"  # on every answer: the target that made it
 PREFILL_HEADER = "x-dprouter-prefill"  # on a P/D answer: the prefill target
+# asked by a request (latest, N or >=N) and, on every answer, the weights that served it
+WEIGHT_VERSION_HEADER = "x-dprouter-weight-version"
 
 
 def without(headers: CIMultiDictProxy[str], dropped: Iterable[str]) -> CIMultiDict[str]:

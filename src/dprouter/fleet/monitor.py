@@ -168,7 +168,9 @@ class Monitor:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.options.health_interval)
-            ready = [w for w in self.registry.workers.values() if w.ready]
+            # a held engine (paused for a weight update, say) may not answer a health
+            # check that generates: a pause is not a failure
+            ready = [w for w in self.registry.workers.values() if w.ready and w.held is None]
             verdicts = await asyncio.gather(*(self._check(w) for w in ready))
             for worker, problem in zip(ready, verdicts, strict=True):
                 if problem is None:

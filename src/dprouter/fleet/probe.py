@@ -9,7 +9,7 @@ lowest label being its offset).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -31,6 +31,7 @@ class Discovered:
     tp_size: int | None = None
     bootstrap_port: int | None = None  # SGLang prefill
     role: str | None = None  # SGLang's disaggregation_mode, when it says
+    weight_version: str | None = None  # SGLang's /model_info says it
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -94,7 +95,9 @@ async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
     # that answers as the other is refused (_settle), not retried forever
     info = await server_info(session, base)
     if info is not None:
-        return _settle(worker, sglang_found(base, info, await models(session, base)))
+        found = sglang_found(base, info, await models(session, base))
+        version = await weight_version(session, base)
+        return _settle(worker, replace(found, weight_version=version))
     labels = await vllm_engines(session, base)
     if labels:
         if labels != list(range(labels[0], labels[0] + len(labels))):
@@ -112,6 +115,17 @@ async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
         f"{base} answers neither /server_info (SGLang) nor /metrics with vLLM engine labels; "
         "set its dialect and dp_size explicitly"
     )
+
+
+async def weight_version(session: aiohttp.ClientSession, base: str) -> str | None:
+    """SGLang's weights' version: ``/model_info`` tells it (``/server_info`` has the one it
+    started with, not the one an update set)."""
+    try:
+        status, body = await _get(session, base + "/model_info")
+        said = orjson.loads(body).get("weight_version") if status == 200 else None
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return None if said is None else str(said)
 
 
 def _positive(value: object) -> bool:
@@ -195,3 +209,5 @@ def apply(worker: Worker, found: Discovered) -> None:
     worker.tp_size = worker.tp_size or found.tp_size or 1
     if worker.bootstrap_port is None:
         worker.bootstrap_port = found.bootstrap_port
+    if found.weight_version is not None:
+        worker.weight_version = found.weight_version

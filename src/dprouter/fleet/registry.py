@@ -29,7 +29,7 @@ def interleave(workers: Iterable[Worker]) -> tuple[Target, ...]:
 @dataclass(frozen=True)
 class Snapshot:
     version: int
-    workers: tuple[Worker, ...]  # ready and healthy, in registration order
+    workers: tuple[Worker, ...]  # ready, healthy and not held, in registration order
     _pools: dict[tuple[Role, str | None, DialectName | None], tuple[Target, ...]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -99,6 +99,7 @@ class Registry:
         self.snapshot = Snapshot(0, ())
         self.listeners: list[Callable[[], None]] = []  # told of every rebuild
         self.stale = False  # membership comes from a source that cannot be read just now
+        self.held = False  # a ready worker is held (paused, updating): requests may wait
         self._version = 0
 
     def add(self, worker: Worker) -> Worker:
@@ -165,9 +166,21 @@ class Registry:
     def rebuild(self) -> None:
         self._version += 1
         ready = tuple(w for w in self.workers.values() if w.ready and w.targets)
+        self.held = any(w.held is not None for w in ready)
+        ready = tuple(w for w in ready if w.held is None) if self.held else ready
         self.snapshot = Snapshot(self._version, ready)
         for listener in self.listeners:
             listener()
+
+    def hold(self, worker: Worker, why: str | None) -> None:
+        """``worker`` takes no new request while ``why`` (None: it takes them again)."""
+        if worker.held != why:
+            worker.held = why
+            self.rebuild()
+
+    def ready(self) -> list[Worker]:
+        """Ready workers, held or not: those an engine command reaches."""
+        return [w for w in self.workers.values() if w.ready and w.targets]
 
     def targets(self) -> list[Target]:
         return [t for w in self.workers.values() for t in w.targets]

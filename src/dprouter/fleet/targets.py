@@ -41,6 +41,10 @@ class Worker:
     cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # as /v1/models wrote them
     state: Literal["discovering", "ready", "error"] = "discovering"
     error: str | None = None
+    # set by the engine commands the router relays (``server/commands.py``): why a ready
+    # worker takes no new request just now (paused, updating its weights, asleep)...
+    held: str | None = None
+    weight_version: str | None = None  # ...and the weights' version it serves (None: unsaid)
     targets: list[Target] = field(default_factory=list)
     # where the whole worker's load is counted (given by the registry that holds it)
     board: Board | None = field(default=None, repr=False)

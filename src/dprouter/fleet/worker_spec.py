@@ -116,7 +116,16 @@ def check_kv_events(spec: WorkerSpec, url: str) -> None:
         raise ConfigError(f"worker {url}: kv_block_size must be at least 1")
 
 
+# the SGLang gateway's names for the same keys (RL frameworks register workers so)
+ALIASES = {"worker_type": "role", "model_id": "model"}
+
+
 def worker_from_mapping(raw: dict[str, Any]) -> WorkerSpec:
+    for alias, name in ALIASES.items():
+        if alias in raw:
+            if name in raw and raw[name] != raw[alias]:
+                raise ConfigError(f"{alias} and {name} name the same thing: give one")
+            raw = {**{k: v for k, v in raw.items() if k != alias}, name: raw[alias]}
     known = {f for f in WorkerSpec.__dataclass_fields__}
     unknown = set(raw) - known
     if unknown:

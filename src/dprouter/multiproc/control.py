@@ -69,6 +69,8 @@ WORKER_FIELDS = (
     "cards",
     "state",
     "error",
+    "held",
+    "weight_version",
     "slot",
 )
 
@@ -134,6 +136,8 @@ class ControlPlane:
         self._followers: dict[int, asyncio.Queue[bytes | None]] = {}  # by row; None: a state
         self._due: set[int] = set()  # rows with a state queued already
         registry.listeners.append(self.changed)
+        # the serving processes check where each admin call came from; the token, here
+        self.admin = Admin(config, registry, monitor, self.sources, relayed=True)
         self.app = web.Application(client_max_size=config.max_body)
         self.app.add_routes(
             [
@@ -143,9 +147,10 @@ class ControlPlane:
                 web.post(RESPONSES, self.response_noted),
                 web.get(RESPONSES + "/{id}", self.response_found),
                 web.get(DASHBOARD, self.dashboard),
-                *Admin(config, registry, monitor, self.sources).routes(),
+                *self.admin.routes(),
             ]
         )
+        self.app.on_cleanup.append(lambda _: self.admin.close())
         self._runner: web.AppRunner | None = None
 
     def changed(self) -> None:

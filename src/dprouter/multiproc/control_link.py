@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from dprouter.config import RouterConfig
 from dprouter.core.errors import error
 from dprouter.core.types import Role
 from dprouter.fleet.breakers import BreakerOptions, Breakers
@@ -48,6 +49,8 @@ from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy.response_ids import ResponseIds
 from dprouter.proxy.routing_keys import Places
+from dprouter.server.admin import ADMIN_ROUTES, denied
+from dprouter.server.commands import UPDATE_TIMEOUT
 
 log = logging.getLogger("dprouter.follower")
 
@@ -178,19 +181,19 @@ class SharedBreakers(Breakers):
 
 class AdminRelay:
     """The admin API as the parent runs it: a worker added through any serving process
-    is added once, for all of them."""
+    is added once, for all of them, and an engine command holds the workers for all.
+    Where a call came from is checked here: the parent sees only this process."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, config: RouterConfig) -> None:
         self.channel = channel
+        self.config = config
 
     def routes(self) -> list[web.RouteDef]:
-        return [
-            web.post("/workers", self.relay),
-            web.get("/workers", self.relay),
-            web.delete("/workers/{worker_id}", self.relay),
-        ]
+        return [web.route(method, path, self.relay) for method, path in ADMIN_ROUTES]
 
     async def relay(self, request: web.Request) -> web.Response:
+        if self.config.admin_token is None and (refused := denied(self.config, request)):
+            return refused
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
             async with self.channel.session.request(
@@ -198,7 +201,7 @@ class AdminRelay:
                 BASE + request.path_qs,
                 data=await request.read(),
                 headers=headers,
-                timeout=aiohttp.ClientTimeout(total=90),
+                timeout=aiohttp.ClientTimeout(total=UPDATE_TIMEOUT + 30),
             ) as r:
                 body = await r.read()
                 kind = r.headers.get("Content-Type", "application/json")
@@ -274,8 +277,11 @@ class ControlLink:
     """A serving process's side of the control plane, as the router it serves takes it
     (``server.parts.Control``)."""
 
-    def __init__(self, channel: Channel, follower: Follower, processes: int) -> None:
+    def __init__(
+        self, channel: Channel, follower: Follower, config: RouterConfig, processes: int
+    ) -> None:
         self.channel = channel
+        self.config = config
         self.follower = follower
         self.processes = processes
 
@@ -285,7 +291,7 @@ class ControlLink:
         return breakers
 
     def admin_routes(self) -> list[web.RouteDef]:
-        return AdminRelay(self.channel).routes()
+        return AdminRelay(self.channel, self.config).routes()
 
     def response_ids(self) -> ResponseIds:
         return SharedResponseIds(self.channel)

@@ -70,7 +70,7 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
         seat.config,
         registry=registry,
         monitor=follower,
-        control=ControlLink(channel, follower, seat.rows),
+        control=ControlLink(channel, follower, seat.config, seat.rows),
         metrics_dir=seat.metrics,
         lock=board.lock,
     )

@@ -27,7 +27,7 @@ from dprouter.proxy.abort import ensure_rid
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.output_budget import learn
 from dprouter.proxy.parts import ProxyParts
-from dprouter.proxy.pools import Pools, choose_pools
+from dprouter.proxy.pools import Pools, wait_pools
 from dprouter.proxy.read import ClientRequest, read_request
 from dprouter.proxy.relay import relay
 from dprouter.proxy.retry import Attempts
@@ -64,12 +64,13 @@ class Proxy:
         if isinstance(client, web.Response):
             return client
         p.output.apply(client.incoming)  # counted by its likely output, not its cap
-        pools = choose_pools(
+        pools = await wait_pools(
+            request,
             p.registry,
             p.metrics,
             ("regular",),
             client.incoming.model,
-            request.path,
+            p.config.hold_wait,
             dialect,
             None if client.pinned is None else {"regular": client.pinned},
         )

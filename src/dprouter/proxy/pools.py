@@ -12,18 +12,24 @@ role has no target left, the client hears why:
 - 404: the model is served by no worker, though others are ready (``unknown_model``);
 - 404: no worker of the path's dialect is even configured (none ever will be);
 - 503: no ready worker (yet) for the role or the path (``no_target``).
+
+A request may wait for a pool (``wait_pools``): while the workers that could serve it
+are held (paused, updating their weights) or older than the weights it asks for.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 
 from aiohttp import web
 
-from dprouter.core.errors import error
+from dprouter.core.errors import ConfigError, error
+from dprouter.core.headers import WEIGHT_VERSION_HEADER
 from dprouter.core.types import DialectName, Role
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target
+from dprouter.fleet.weights import Wanted, newest
 from dprouter.proxy.metrics import RouterMetrics
 
 DIALECT_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -81,3 +87,61 @@ def no_pool(
     if all(w.dialect not in (dialect, None) for w in registry.workers.values()):
         return error(404, f"no {name} worker is configured: {path} is {name}'s own endpoint")
     return error(503, f"no ready {name} worker for {path} to route to")
+
+
+async def wait_pools(
+    request: web.Request,
+    registry: Registry,
+    metrics: RouterMetrics,
+    roles: Sequence[Role],
+    model: str | None,
+    wait: float,
+    dialect: DialectName | None = None,
+    pinned: Mapping[Role, int | None] | None = None,
+) -> Pools | web.Response:
+    """``choose_pools`` for a request that may wait up to ``wait`` seconds while every
+    worker that could serve it is held, or older than the weights it asks for in
+    ``X-DPRouter-Weight-Version``: a weight update pauses engines for seconds, and a
+    rollout would rather wait than fail."""
+    header = request.headers.get(WEIGHT_VERSION_HEADER)
+    wanted = None
+    if header is not None:
+        try:
+            wanted = Wanted.parse(header)
+        except ConfigError as exc:
+            return error(400, str(exc), WEIGHT_VERSION_HEADER)
+
+    def once() -> Pools | web.Response:
+        chosen = choose_pools(registry, metrics, roles, model, request.path, dialect, pinned)
+        if wanted is None or isinstance(chosen, web.Response):
+            return chosen
+        latest = newest(w.weight_version for w in registry.ready())
+        kept = tuple(
+            tuple(t for t in pool if wanted.serves(t.worker.weight_version, latest))
+            for pool in chosen
+        )
+        if all(kept):
+            return kept
+        return error(503, f"no ready worker serves weights {wanted.floor or latest} yet")
+
+    chosen = once()
+    if not isinstance(chosen, web.Response) or chosen.status != 503 or wait <= 0:
+        return chosen
+    if not registry.held and wanted is None:
+        return chosen
+    changed = asyncio.Event()
+    registry.listeners.append(changed.set)
+    try:
+        async with asyncio.timeout(wait):
+            while isinstance(chosen, web.Response) and chosen.status == 503:
+                changed.clear()
+                await changed.wait()
+                chosen = once()
+    except TimeoutError:
+        held = sorted({w.held for w in registry.ready() if w.held is not None})
+        if held:
+            why = " or ".join(held)
+            return error(503, f"every worker that could serve it is {why}; waited {wait:g} s")
+    finally:
+        registry.listeners.remove(changed.set)
+    return chosen

@@ -23,7 +23,7 @@ from dprouter.core.types import DialectName, Kind
 from dprouter.engines import dialects
 from dprouter.fleet.targets import Target, Worker
 from dprouter.proxy.parts import ProxyParts
-from dprouter.proxy.pools import Pools, choose_pools
+from dprouter.proxy.pools import Pools, wait_pools
 from dprouter.proxy.read import forwarded, read_request
 from dprouter.proxy.relay import relay
 from dprouter.proxy.retry import Attempts
@@ -51,7 +51,9 @@ class Rankless:
                 return client
             model, headers = client.incoming.model, client.headers
             data = orjson.dumps(client.incoming.body) if client.changed else client.raw
-        pools = choose_pools(p.registry, p.metrics, ("regular",), model, request.path, dialect)
+        pools = await wait_pools(
+            request, p.registry, p.metrics, ("regular",), model, p.config.hold_wait, dialect
+        )
         if isinstance(pools, web.Response):
             return pools
         firsts: dict[Worker, Target] = {}

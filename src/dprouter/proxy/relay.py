@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from dprouter.core.errors import UpstreamBroke, grace_over, sse_error
-from dprouter.core.headers import HOP_BY_HOP, TARGET_HEADER, without
+from dprouter.core.headers import HOP_BY_HOP, TARGET_HEADER, WEIGHT_VERSION_HEADER, without
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.proxy.metrics import TargetSeries
 from dprouter.proxy.read_timeout import take_over
@@ -51,6 +51,8 @@ async def relay(
     # a multidict keeps repeated headers (two Set-Cookie, say) that a dict would merge away
     headers = without(upstream.headers, HOP_BY_HOP)
     headers[TARGET_HEADER] = target.label
+    if target.worker.weight_version is not None:
+        headers[WEIGHT_VERSION_HEADER] = target.worker.weight_version
     if extra:
         headers.update(extra)
     done = False

@@ -24,7 +24,7 @@ from dprouter.core.errors import error
 from dprouter.core.headers import TARGET_HEADER
 from dprouter.fleet.targets import Target
 from dprouter.proxy.plain import Proxy
-from dprouter.proxy.pools import choose_pools
+from dprouter.proxy.pools import wait_pools
 from dprouter.proxy.rankless import Rankless
 from dprouter.proxy.read import read_request
 from dprouter.proxy.relay import STREAMING
@@ -100,12 +100,13 @@ class Responses:
                 return found
             pool: Sequence[Target] = (found,)
         else:
-            chosen = choose_pools(
+            chosen = await wait_pools(
+                request,
                 self.parts.registry,
                 self.parts.metrics,
                 ("regular",),
                 incoming.model,
-                request.path,
+                self.parts.config.hold_wait,
                 pinned={"regular": client.pinned},
             )
             if isinstance(chosen, web.Response):

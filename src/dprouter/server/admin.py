@@ -1,28 +1,37 @@
-"""The admin API: ``POST /workers``, ``GET /workers``, ``DELETE /workers/{id}``.
+"""The admin API: workers joining and leaving, in the SGLang gateway's shapes (current
+``/workers`` and older ``/add_worker``, ``/remove_worker``, ``/list_workers``: the RL
+frameworks call both), the RL listing, and the engine commands (``commands``).
 
-Off unless the router has an admin token; then every call must carry
-``Authorization: Bearer <token>`` (a token of its own, not a client API key).
+With an admin token every call must carry ``Authorization: Bearer <token>`` (a token of
+its own, not a client API key). Without one, calls are taken from loopback and the
+``--admin-from`` networks only: an RL framework starts its router with no token and
+registers its engines from the same host (or, multi-node, from the engines' own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Sequence
+import ipaddress
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from dprouter.config import RouterConfig
+from dprouter.config import RouterConfig, admin_networks
 from dprouter.core.errors import ConfigError, Duplicate, EtcdError, error
+from dprouter.core.types import ROLES
 from dprouter.fleet.membership import Source, worker_name
 from dprouter.fleet.membership.etcd import EtcdMembership
 from dprouter.fleet.membership.kubernetes import KubernetesMembership
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry, worker_from_spec
 from dprouter.fleet.targets import Worker
-from dprouter.fleet.worker_spec import WorkerSpec, worker_from_mapping
+from dprouter.fleet.worker_spec import WorkerSpec, normalise_url, worker_from_mapping
+from dprouter.server.commands import COMMANDS, Commands
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 def bearer(token: str, given: str) -> bool:
@@ -30,13 +39,36 @@ def bearer(token: str, given: str) -> bool:
     return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 
 
-def denied(token: str | None, request: web.Request) -> web.Response | None:
-    """The answer to an admin call without the admin token; None: it may go on."""
-    if token is None:
-        return error(403, "the admin API is off: start the router with an admin token")
-    if not bearer(token, request.headers.get("Authorization", "")):
-        return error(401, "admin calls need Authorization: Bearer <admin token>")
-    return None
+def denied(
+    config: RouterConfig, request: web.Request, relayed: bool = False
+) -> web.Response | None:
+    """The answer to an admin call its caller may not make; None: it may go on.
+    ``relayed``: it came from a serving process of ``--processes N``, which checked the
+    caller's address (the token is checked here)."""
+    token = config.admin_token
+    if token is not None:
+        if not bearer(token, request.headers.get("Authorization", "")):
+            return error(401, "admin calls need Authorization: Bearer <admin token>")
+        return None
+    if relayed or trusted(request.remote, config.admin_from):
+        return None
+    return error(
+        403,
+        f"without an admin token, admin calls are taken from loopback and --admin-from "
+        f"networks only, not from {request.remote}: start the router with --admin-token, "
+        "or name the caller's network in --admin-from",
+    )
+
+
+def trusted(remote: str | None, admin_from: Sequence[str]) -> bool:
+    """``remote`` is loopback or in one of the ``admin_from`` networks."""
+    try:
+        address = ipaddress.ip_address((remote or "").split("%")[0])
+    except ValueError:
+        return False
+    if address.is_loopback:
+        return True
+    return any(address in network for network in admin_networks(admin_from))
 
 
 def worker_fields(worker: Worker) -> dict[str, Any]:
@@ -49,12 +81,20 @@ def worker_fields(worker: Worker) -> dict[str, Any]:
         "error": worker.error,
         "dp_size": worker.ranks or worker.dp_size,
         "dp_attention": worker.dp_attention,
+        "held": worker.held,
+        "weight_version": worker.weight_version,
     }
 
 
 def describe(worker: Worker) -> dict[str, Any]:
     return {
         **worker_fields(worker),
+        # the SGLang gateway's names for what RL frameworks read
+        "worker_type": worker.role,
+        "is_healthy": worker.ready,
+        "model_id": worker.models[0] if worker.models else worker.model,
+        "load": worker.outstanding,
+        "bootstrap_port": worker.bootstrap_port,
         "dialect": worker.dialect,
         "rank_offset": worker.rank_offset,
         "models": list(worker.models),
@@ -72,12 +112,27 @@ def describe(worker: Worker) -> dict[str, Any]:
     }
 
 
+# every admin route, as (method, path): a serving process of --processes N relays these
+ADMIN_ROUTES: tuple[tuple[str, str], ...] = (
+    ("POST", "/workers"),
+    ("GET", "/workers"),
+    ("DELETE", "/workers/{worker_id:.+}"),
+    ("POST", "/add_worker"),
+    ("POST", "/remove_worker"),
+    ("GET", "/list_workers"),
+    ("GET", "/v1/rl/workers"),
+    *((method, c.path) for c in COMMANDS for method in c.methods),
+)
+
+
 class Admin:
     """The admin handlers. New workers are checked against the running router's own
     configuration (a ``--pd`` router takes prefill and decode workers, not regular ones).
     Under etcd discovery a worker is added and removed in etcd, for every replica: the
     answer names the key, and the worker joins here as on the others, from the watch.
-    A worker from a Kubernetes pod cannot be removed here (409): its pod decides."""
+    A worker from a Kubernetes pod cannot be removed here (409): its pod decides.
+    ``relayed``: the calls come from the serving processes of ``--processes N``, which
+    checked where each came from."""
 
     def __init__(
         self,
@@ -85,38 +140,73 @@ class Admin:
         registry: Registry,
         monitor: Monitor,
         sources: Sequence[Source] = (),
+        relayed: bool = False,
     ) -> None:
         self.config = config
-        self.token = config.admin_token
         self.registry = registry
         self.monitor = monitor
+        self.relayed = relayed
+        self.commands = Commands(registry)
         self.shared = next((s for s in sources if isinstance(s, EtcdMembership)), None)
         self.kubernetes = next((s for s in sources if isinstance(s, KubernetesMembership)), None)
 
     def routes(self) -> list[web.RouteDef]:
-        return [
-            web.post("/workers", self.add),
-            web.get("/workers", self.listing),
-            web.delete("/workers/{worker_id}", self.remove),
-        ]
+        own: dict[str, Handler] = {
+            "/workers": self.add,
+            "/add_worker": self.add_worker,
+            "/remove_worker": self.remove_worker,
+            "/list_workers": self.list_workers,
+            "/v1/rl/workers": self.commands.listing,
+        }
+        handlers = {
+            ("GET", "/workers"): self.listing,
+            ("DELETE", "/workers/{worker_id:.+}"): self.remove,
+        }
+        routes = []
+        for method, path in ADMIN_ROUTES:
+            handler = handlers.get((method, path)) or own.get(path)
+            if handler is None:
+                command = next(c for c in COMMANDS if c.path == path)
+                handler = self.commands.handler(command)
+            routes.append(web.route(method, path, self.guard(handler)))
+        return routes
 
-    def denied(self, request: web.Request) -> web.Response | None:
-        return denied(self.token, request)
+    async def close(self) -> None:
+        await self.commands.close()
+
+    def guard(self, handler: Handler) -> Handler:
+        async def guarded(request: web.Request) -> web.Response:
+            if (refused := denied(self.config, request, self.relayed)) is not None:
+                return refused
+            return await handler(request)
+
+        return guarded
 
     async def add(self, request: web.Request) -> web.Response:
-        if (refused := self.denied(request)) is not None:
-            return refused
         try:
             raw = orjson.loads(await request.read())
             if not isinstance(raw, dict):
                 raise ConfigError("the body must be a JSON object describing one worker")
+        except (orjson.JSONDecodeError, ConfigError) as exc:
+            return error(400, str(exc))
+        return await self._add(request, raw)
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        """The older gateways' ``POST /add_worker?url=...``."""
+        url = request.query.get("url")
+        if not url:
+            return error(400, "POST /add_worker needs ?url=http://host:port", "url")
+        return await self._add(request, {"url": url})
+
+    async def _add(self, request: web.Request, raw: dict[str, Any]) -> web.Response:
+        try:
             spec = self.config.check_new_worker(worker_from_mapping(raw))
             if self.shared is not None:
                 return await self._add_shared(request, spec, raw)
             worker = self.registry.add(worker_from_spec(spec, self.registry))
         except Duplicate as exc:
             return error(409, str(exc))
-        except (orjson.JSONDecodeError, ConfigError, TypeError) as exc:
+        except (ConfigError, TypeError) as exc:
             return error(400, str(exc))
         self.monitor.watch(worker)
         await self._wait(request, worker.id)
@@ -149,17 +239,40 @@ class Admin:
         return self.registry.workers.get(worker_id)
 
     async def listing(self, request: web.Request) -> web.Response:
-        if (refused := self.denied(request)) is not None:
-            return refused
-        workers = [describe(w) for w in self.registry.workers.values()]
-        return web.json_response(workers, dumps=_dumps)
+        """``{"workers": [...], "total", "stats"}``, as the SGLang gateway answers."""
+        workers = list(self.registry.workers.values())
+        by_type = {role: sum(w.role == role for w in workers) for role in ROLES}
+        stats = {
+            "total_workers": len(workers),
+            "healthy_workers": sum(w.ready for w in workers),
+            "total_models": len(self.registry.snapshot.known_models),
+            "total_load": sum(w.outstanding for w in workers),
+            "by_type": by_type,
+        }
+        listed = [describe(w) for w in workers]
+        return web.json_response(
+            {"workers": listed, "total": len(listed), "stats": stats}, dumps=_dumps
+        )
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        """The older gateways' ``GET /list_workers``."""
+        return web.json_response({"urls": [w.url for w in self.registry.workers.values()]})
 
     async def remove(self, request: web.Request) -> web.Response:
-        if (refused := self.denied(request)) is not None:
-            return refused
-        worker_id = request.match_info["worker_id"]
-        if worker_id not in self.registry.workers:
-            return error(404, f"no worker {worker_id!r}")
+        """``DELETE /workers/{id}``; the id may be the worker's URL (0.2.x gateways)."""
+        return await self._remove(request.match_info["worker_id"])
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        """The older gateways' ``POST /remove_worker?url=...``."""
+        url = request.query.get("url")
+        if not url:
+            return error(400, "POST /remove_worker needs ?url=http://host:port", "url")
+        return await self._remove(url)
+
+    async def _remove(self, named: str) -> web.Response:
+        worker_id = self._find(named)
+        if worker_id is None:
+            return error(404, f"no worker {named!r}")
         if self.kubernetes is not None and (pod := self.kubernetes.pod_of(worker_id)):
             # removed here alone, it would be back at the next list: the pod decides
             return error(
@@ -180,6 +293,16 @@ class Admin:
         self.monitor.forget(worker_id)
         worker = self.registry.remove(worker_id)
         return web.json_response({"removed": worker.id, "url": worker.url}, dumps=_dumps)
+
+    def _find(self, named: str) -> str | None:
+        """A worker's id from its id or its URL (as the client wrote it)."""
+        if named in self.registry.workers:
+            return named
+        try:
+            url = normalise_url(named)
+        except ValueError:
+            return None
+        return next((w.id for w in self.registry.workers.values() if w.url == url), None)
 
     async def _joined(self, worker_id: str) -> None:
         changed = asyncio.Event()

@@ -40,6 +40,7 @@ from dprouter.proxy.responses import Responses
 from dprouter.proxy.retry import Retry
 from dprouter.proxy.routing_keys import Places, claims
 from dprouter.proxy.upstream import Upstream, upstream_session
+from dprouter.server.admin import Admin
 from dprouter.server.admission import Admission, AdmissionOptions
 from dprouter.server.engine_routes import EngineRoutes
 from dprouter.server.parts import PARTS, Control, Parts
@@ -95,6 +96,12 @@ def build_app(
     app[PARTS] = parts
     app.cleanup_ctx.append(_lifecycle)
     app.add_routes([*Routes(parts).routes(), *EngineRoutes(parts).routes()])
+    if control is not None:
+        app.add_routes(control.admin_routes())  # the parent runs them, once for all
+    else:
+        admin = Admin(config, registry, parts.monitor, parts.sources)
+        app.add_routes(admin.routes())
+        app.on_cleanup.append(lambda _: admin.close())
     if config.dashboard:
         from dprouter.server.dashboard import Dashboard  # its files and window only when asked for
 

@@ -1,14 +1,16 @@
 """Every engine endpoint the router serves besides completions, chat and ``/generate``:
 which engines serve it, and how the router routes it. One table; the routes, the
 OpenAPI description and docs/router.md follow it. A path not in it is the router's
-own 404 and never reaches an engine (``/sleep``, weight updates, profiling...).
+own 404 and never reaches an engine (profiling, say).
 
 Routings:
 
 - ``policy``: by the policy over the model's targets, like completions (rank written);
 - ``any``: any ready worker serving the model, least busy first (no rank, no count);
 - ``stored``: the target that made the response named in the path or body;
-- ``each``: every ready worker, answered as one table (``admin``: behind the token).
+- ``each``: every ready worker, answered as one table.
+
+Engine commands (pause, flush, weight updates...) are the admin API's (``commands``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Literal
 
 from dprouter.core.types import DialectName, Kind
 
-Routing = Literal["policy", "any", "stored", "each", "admin"]
+Routing = Literal["policy", "any", "stored", "each"]
 BOTH: tuple[DialectName, ...] = ("vllm", "sglang")
 VLLM: tuple[DialectName, ...] = ("vllm",)
 SGLANG: tuple[DialectName, ...] = ("sglang",)
@@ -68,6 +70,4 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/model_info", SGLANG, "any", None, "One worker's model info"),
     Endpoint("GET", "/get_model_info", SGLANG, "any", None, "One worker's model info"),
     Endpoint("GET", "/get_load", SGLANG, "each", None, "Each worker's load"),
-    Endpoint("POST", "/reset_prefix_cache", VLLM, "admin", None, "Reset each prefix cache"),
-    Endpoint("POST", "/flush_cache", SGLANG, "admin", None, "Flush each radix cache"),
 )

@@ -14,7 +14,6 @@ from dprouter.fleet.targets import Worker
 from dprouter.proxy.plain import Proxy
 from dprouter.proxy.pools import no_pool
 from dprouter.proxy.rankless import Rankless
-from dprouter.server.admin import denied
 from dprouter.server.endpoints import ENDPOINTS, Endpoint
 from dprouter.server.parts import Parts
 from dprouter.server.routes import guarded
@@ -32,7 +31,6 @@ class EngineRoutes:
             "any": self.anyone,
             "stored": self.stored,
             "each": self.each,
-            "admin": self.each,
         }
         routes = [web.route(e.method, e.path, partial(handlers[e.routing], e)) for e in ENDPOINTS]
         return [*routes, web.get("/version", self.version)]
@@ -62,8 +60,6 @@ class EngineRoutes:
         return await guarded(self.parts, request, partial(flow, request))
 
     async def each(self, endpoint: Endpoint, request: web.Request) -> web.Response:
-        if endpoint.routing == "admin" and (refused := self.denied(request)) is not None:
-            return refused
         workers: list[Worker] | None = None
         named = request.query.get("worker")
         if named is not None:
@@ -92,6 +88,3 @@ class EngineRoutes:
             body = row.pop("body", None)
             row["version"] = body.get("version") if isinstance(body, dict) else None
         return web.json_response({"version": version("dprouter"), "workers": rows})
-
-    def denied(self, request: web.Request) -> web.Response | None:
-        return denied(self.parts.config.admin_token, request)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from importlib.metadata import version
 from typing import Any
 
+from dprouter.server.commands import COMMANDS
 from dprouter.server.endpoints import ENDPOINTS
 
 ERROR = {
@@ -121,22 +122,32 @@ def _operation(summary: str, body: bool, *statuses: int, param: bool = False) ->
 
 ROUTED = (200, 400, 404, 413, 429, 502, 503)
 ADMIN = (200, 201, 400, 401, 403, 404, 409, 502, 503)
+COMMANDED = (200, 400, 401, 403, 404, 502, 503)
 
 
 def _engine_paths() -> dict[str, Any]:
     """The engine endpoints of ``endpoints.ENDPOINTS``, as the router checks them."""
     paths: dict[str, Any] = {}
     for e in ENDPOINTS:
-        if e.routing == "admin":
-            statuses: tuple[int, ...] = (200, 401, 403, 404, 502, 503)
-        elif e.routing == "each":
-            statuses = (200, 404, 502, 503)
+        if e.routing == "each":
+            statuses: tuple[int, ...] = (200, 404, 502, 503)
         else:
             statuses = ROUTED
         op = _operation(e.summary, e.kind is not None, *statuses, param="{id}" in e.path)
         if e.kind == "audio":
             op["requestBody"]["content"] = {"multipart/form-data": {"schema": FORM}}
         paths.setdefault(e.path, {})[e.method.lower()] = op
+    return paths
+
+
+def _commands() -> dict[str, Any]:
+    """The engine commands of ``commands.COMMANDS``: admin calls, fanned out."""
+    paths: dict[str, Any] = {}
+    for c in COMMANDS:
+        statuses = (200, 400, 401, 403, 404, 409, 502, 503) if c.exclusive else COMMANDED
+        for method in c.methods:
+            op = _operation(f"Admin: {c.summary}", False, *statuses)
+            paths.setdefault(c.path, {})[method.lower()] = op
     return paths
 
 
@@ -185,8 +196,17 @@ def describe(dashboard: bool = False) -> dict[str, Any]:
                 "post": _operation("Admin: add a worker", True, *ADMIN),
             },
             "/workers/{id}": {
-                "delete": _operation("Admin: remove a worker", False, *ADMIN, param=True)
+                "delete": _operation(
+                    "Admin: remove a worker (id or URL)", False, *ADMIN, param=True
+                )
             },
+            "/add_worker": {"post": _operation("Admin: add a worker (?url=)", False, *ADMIN)},
+            "/remove_worker": {"post": _operation("Admin: remove a worker (?url=)", False, *ADMIN)},
+            "/list_workers": {"get": _operation("Admin: the workers' URLs", False, *ADMIN)},
+            "/v1/rl/workers": {
+                "get": _operation("Admin: workers, weights' versions, capabilities", False, *ADMIN)
+            },
+            **_commands(),
             **(_dashboard() if dashboard else {}),
         },
     }

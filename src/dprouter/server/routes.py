@@ -13,7 +13,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from dprouter.core.errors import error, grace_over
 from dprouter.core.types import Kind, Role
 from dprouter.proxy.relay import STREAMING
-from dprouter.server.admin import Admin
 from dprouter.server.openapi import describe
 from dprouter.server.parts import Parts
 
@@ -67,7 +66,6 @@ class Routes:
         self.description = describe(dashboard=parts.config.dashboard)
 
     def routes(self) -> list[web.RouteDef]:
-        p = self.parts
         return [
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
@@ -80,11 +78,6 @@ class Routes:
             web.post("/ping", self.readiness),
             web.get("/metrics", self.metrics),
             web.get("/openapi.json", self.openapi),
-            *(
-                p.control.admin_routes()
-                if p.control is not None
-                else Admin(p.config, p.registry, p.monitor, p.sources).routes()
-            ),
         ]
 
     # each routed path calls ``guarded`` itself: no intermediate coroutine, no partial

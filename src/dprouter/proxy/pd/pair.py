@@ -28,7 +28,7 @@ from dprouter.proxy.parts import ProxyParts
 from dprouter.proxy.pd import moriio, nixl, sglang
 from dprouter.proxy.pd.call import Call
 from dprouter.proxy.pd.pairing import Pairing
-from dprouter.proxy.pools import Pools, choose_pools
+from dprouter.proxy.pools import Pools, wait_pools
 from dprouter.proxy.read import read_request
 from dprouter.proxy.routing_keys import Places, placeable
 
@@ -69,12 +69,13 @@ class PairProxy:
         if kind == "generate" and p.config.pd != "sglang":
             return error(404, f"/generate is SGLang's own; this router runs {p.config.pd}")
         pinned: dict[Role, int | None] = {"prefill": client.pinned_prefill, "decode": client.pinned}
-        pools = choose_pools(
+        pools = await wait_pools(
+            request,
             p.registry,
             p.metrics,
             ("prefill", "decode"),
             client.incoming.model,
-            request.path,
+            p.config.hold_wait,
             pinned=pinned,
         )
         if isinstance(pools, web.Response):
