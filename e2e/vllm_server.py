@@ -94,8 +94,10 @@ class VllmServer(EngineProcess):
         *,
         cpus: str | None = None,
         extra_args: tuple[str, ...] = (),
+        dev_mode: bool = False,
     ) -> None:
         super().__init__(port)
+        self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: its RL routes (pause, versions...)
         self.dp_size = dp_size
         self.name = name
         self.cpus = cpus if cpus is not None else self._default_cpus(dp_size)
@@ -174,6 +176,8 @@ class VllmServer(EngineProcess):
             VLLM_RPC_BASE_PATH=str(tmp),
             PYTHONUNBUFFERED="1",
         )
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.dp_size > 1:
             # Only read by vLLM's automatic binding; set as measured for DP=2 (with an
             # explicit bind it just logs a warning, so single engines leave it out).

@@ -30,7 +30,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 @pytest.fixture(scope="module")
 def vllm_dp2() -> Iterator[vllm_server.VllmServer]:
-    with vllm_server.VllmServer(vllm_server.free_port(), dp_size=2) as server:
+    # dev mode: vLLM's RL routes (pause, resume, weight versions) for the RL loop
+    with vllm_server.VllmServer(vllm_server.free_port(), dp_size=2, dev_mode=True) as server:
         server.wait_ready()
         yield server
 

@@ -221,6 +221,86 @@ async def test_a_client_that_leaves_a_long_stream_frees_its_rank(
     assert await until(lambda: all(t.outstanding == 0 for t in router.registry.targets()))
 
 
+async def test_an_rl_loop_through_dprouter_loses_no_request_across_a_weight_update(
+    sglang_attn2: SglangServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """miles' calls against the real engine (attention DP over 2 ranks): register, sessions,
+    abort_all mid-batch, then pause (retract) -> flush -> update from disk (the same
+    weights, a new version) -> version -> continue with requests in flight."""
+    server = sglang_attn2
+    router = await start_router(
+        RouterConfig(policy="manual", assignment="min_load", health_interval=0), settle=False
+    )
+    url = router.url
+    add = {"url": server.url, "worker_type": "regular"}
+    async with http.post(url + "/workers?wait=60", json=add) as r:
+        assert r.status == 201, await r.text()
+        assert (await r.json())["dp_size"] == 2
+    version = router.registry.workers["w0"].weight_version
+    ranks = set()
+    for _ in range(3):
+        send = post(http, url, "/generate", generate_body(), {"X-SMG-Routing-Key": "s1"})
+        ranks.add((await send())[1]["meta_info"]["dp_rank"])
+    assert len(ranks) == 1
+
+    async def one(max_tokens: int) -> tuple[int, Any, str | None]:
+        body = generate_body()
+        body["sampling_params"]["max_new_tokens"] = max_tokens
+        timeout = aiohttp.ClientTimeout(total=180)
+        async with http.post(url + "/generate", json=body, timeout=timeout) as r:
+            said = await r.json(content_type=None)
+            return r.status, said, r.headers.get("x-dprouter-weight-version")
+
+    def in_flight() -> int:
+        return sum(t.outstanding for t in router.registry.targets())
+
+    # an over-sampled batch, aborted mid-way: every request answered, none hangs
+    batch = [asyncio.create_task(one(2000)) for _ in range(4)]
+    assert await until(lambda: in_flight() == 4, seconds=30)
+    await asyncio.sleep(0.5)
+    async with http.post(url + "/abort_request", json={"abort_all": True}) as r:
+        assert r.status == 200, await r.text()
+    aborted = await asyncio.wait_for(asyncio.gather(*batch), 60)
+    reasons = [
+        (s, a["meta_info"]["finish_reason"]["type"] if s == 200 else a) for s, a, _ in aborted
+    ]
+    # the update cycle, with requests in flight and more arriving while paused
+    early = [asyncio.create_task(one(40)) for _ in range(4)]
+    assert await until(lambda: in_flight() == 4, seconds=30)
+    async with http.post(url + "/pause_generation", json={"mode": "retract"}) as r:
+        assert r.status == 200, await r.text()
+    late = [asyncio.create_task(one(4)) for _ in range(2)]
+    flushed = None
+    for _ in range(120):  # miles retries it for up to 60 s
+        async with http.get(url + "/flush_cache") as r:
+            flushed = r.status
+        if flushed == 200:
+            break
+        await asyncio.sleep(0.5)
+    weights = {"model_path": str(sglang_server.model_dir(server.model))}
+    async with http.post(url + "/update_weights_from_disk", json=weights) as r:
+        updated = r.status, await r.json()
+    new = {"new_version": "rl-2", "abort_all_requests": False}
+    async with http.post(url + "/update_weight_version", json=new) as r:
+        assert r.status == 200, await r.text()
+    async with http.post(url + "/continue_generation", json={}) as r:
+        assert r.status == 200, await r.text()
+    done = await asyncio.wait_for(asyncio.gather(*early, *late), 180)
+    after = await one(2)
+    SUMMARY.append(
+        f"sglang_attn2 RL loop: abort_all mid-batch -> {reasons}; flush {flushed}; "
+        f"update from disk {updated[0]}; {len(done)} requests across the cycle -> "
+        f"{[s for s, _, _ in done]}; version {version} -> {after[2]}"
+    )
+    assert reasons == [(200, "abort")] * 4  # SGLang ends each with finish_reason abort
+    assert flushed == 200 and updated[0] == 200, updated
+    assert [s for s, _, _ in done] == [200] * 6
+    assert [h for _, _, h in done[4:]] == ["rl-2", "rl-2"]  # sent after the pause
+    assert after[0] == 200 and after[2] == "rl-2"
+    assert after[1]["meta_info"]["weight_version"] == "rl-2"  # the engine says it too
+    assert await until(lambda: in_flight() == 0)
+
+
 async def test_the_engine_killed_mid_run_then_restarted(
     sglang_dp2: SglangServer, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:

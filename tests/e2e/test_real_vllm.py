@@ -278,6 +278,54 @@ async def test_two_single_rank_servers_are_two_rankless_targets(
         assert [sum(c.values()) for c in counts] == [3, 3]
 
 
+async def test_a_pause_and_a_version_update_through_dprouter_lose_no_request(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """What vLLM 0.32 does of the RL cycle on the CPU, sent as an SGLang-speaking framework
+    sends it: pause (retract: vLLM keeps the requests) -> flush -> version -> continue,
+    with requests in flight and more arriving while paused. Its weight transfer needs
+    NCCL (a GPU): not here."""
+    router = await start_router(RouterConfig(health_interval=0), settle=False)
+    url = router.url
+    async with http.post(url + "/workers?wait=60", json={"url": vllm_dp2.url}) as r:
+        assert r.status == 201, await r.text()
+
+    async def one(max_tokens: int) -> tuple[int, str | None]:
+        body = {**BODY, "max_tokens": max_tokens, "ignore_eos": True}
+        timeout = aiohttp.ClientTimeout(total=180)
+        async with http.post(url + "/v1/completions", json=body, timeout=timeout) as r:
+            await r.read()
+            return r.status, r.headers.get("x-dprouter-weight-version")
+
+    def in_flight() -> int:
+        return sum(t.outstanding for t in router.registry.targets())
+
+    early = [asyncio.create_task(one(64)) for _ in range(4)]
+    assert await until(lambda: in_flight() == 4, seconds=30)
+    async with http.post(url + "/pause_generation", json={"mode": "retract"}) as r:
+        assert r.status == 200, await r.text()
+    async with http.get(url + "/is_paused") as r:
+        assert [row["body"] for row in (await r.json())["workers"]] == [{"is_paused": True}]
+    late = [asyncio.create_task(one(4)) for _ in range(2)]
+    async with http.post(url + "/flush_cache") as r:
+        flushed = r.status
+    async with http.post(url + "/update_weight_version", json={"new_version": "v2"}) as r:
+        assert r.status == 200, await r.text()
+    async with http.get(url + "/get_weight_version") as r:
+        read = [row["body"] for row in (await r.json())["workers"]]
+    async with http.post(url + "/continue_generation", json={}) as r:
+        assert r.status == 200, await r.text()
+    done = await asyncio.wait_for(asyncio.gather(*early, *late), 180)
+    SUMMARY.append(
+        f"vLLM RL cycle: flush while paused {flushed}; weight_info {read}; "
+        f"{len(done)} requests across it -> {[s for s, _ in done]}"
+    )
+    assert read == [{"weight_version": "v2"}]
+    assert [s for s, _ in done] == [200] * 6
+    assert [v for _, v in done[4:]] == ["v2", "v2"]
+    assert await until(lambda: in_flight() == 0)
+
+
 async def test_the_engine_killed_mid_run_then_restarted(
     vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:

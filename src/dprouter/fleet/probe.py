@@ -103,7 +103,8 @@ async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
         if labels != list(range(labels[0], labels[0] + len(labels))):
             raise Contradiction(f"{base}/metrics shows non-contiguous engine labels {labels}")
         found = Discovered("vllm", len(labels), labels[0], False, await models(session, base))
-        return _settle(worker, found)
+        version = await weight_version(session, base, "/weight_info")
+        return _settle(worker, replace(found, weight_version=version))
     if worker.dialect is not None and worker.dp_size is not None:
         # the engine says nothing about its ranks: the configuration stands alone
         return _settle(
@@ -117,11 +118,14 @@ async def probe(session: aiohttp.ClientSession, worker: Worker) -> Discovered:
     )
 
 
-async def weight_version(session: aiohttp.ClientSession, base: str) -> str | None:
-    """SGLang's weights' version: ``/model_info`` tells it (``/server_info`` has the one it
-    started with, not the one an update set)."""
+async def weight_version(
+    session: aiohttp.ClientSession, base: str, path: str = "/model_info"
+) -> str | None:
+    """The weights' version: SGLang's ``/model_info`` tells it (``/server_info`` has the
+    one it started with, not the one an update set), vLLM's ``/weight_info`` (its RL
+    routes, with ``VLLM_SERVER_DEV_MODE=1``; else 404: None)."""
     try:
-        status, body = await _get(session, base + "/model_info")
+        status, body = await _get(session, base + path)
         said = orjson.loads(body).get("weight_version") if status == 200 else None
     except (orjson.JSONDecodeError, AttributeError):
         return None
