@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import quote
 from typing import Any, Literal
 
 import aiohttp
@@ -175,6 +176,10 @@ async def test_an_admin_added_worker_gets_traffic_from_both_processes(
             break
     assert upstream_owners(pids, port) == set(pids)
     assert len(cluster.servers[0].received) >= 2
+    # removed by its URL, quoted, as 0.2.x gateways are asked: relayed as it came
+    gone = f"{sup.url}/workers/{quote(second, safe='')}"
+    async with fresh() as s, s.delete(gone, headers=auth) as r:
+        assert r.status == 200 and (await r.json())["url"] == second
 
 
 async def test_each_engine_is_scraped_once_per_interval_whatever_the_processes(

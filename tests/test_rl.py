@@ -316,3 +316,39 @@ async def test_every_command_reaches_each_engine_once_under_its_own_name(
         async with http.post(router.url + "/continue_generation", json={}) as r:
             assert r.status == 200
         assert all(s.weights.paused is None for s in cluster.servers)
+
+
+async def test_smgs_rl_fan_out_paths_run_the_same_commands(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """A framework written for smg's ``--enable-rl`` (``/v1/rl/engine/{path}?selector=``)
+    gets the same commands, holds and versions, in smg's answer shape."""
+    cluster = await start_cluster([SGLANG_DP, SGLANG_DP])
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    url = router.url + "/v1/rl/engine"
+    async with http.post(
+        url + "/pause_generation?selector=worker_type=regular", json={"mode": "retract"}
+    ) as r:
+        answer = await r.json()
+    assert r.status == 200 and (answer["total"], answer["succeeded"], answer["failed"]) == (
+        2,
+        2,
+        [],
+    )
+    assert answer["results"]["w0"]["body"]["status"] == "ok"
+    assert all(s.weights.paused == "retract" for s in cluster.servers)
+    assert {w.held for w in router.registry.workers.values()} == {"paused"}
+    async with http.post(url + "/continue_generation?selector=id=w1", json={}) as r:
+        assert r.status == 200 and list((await r.json())["results"]) == ["w1"]
+    assert [s.weights.paused for s in cluster.servers] == ["retract", None]
+    path = router.url + "/v1/rl/workers/w0/engine/continue_generation"
+    async with http.post(path, json={}) as r:
+        single = await r.json()
+    assert r.status == 200 and single["worker_id"] == "w0" and single["status"] == 200
+    assert {w.held for w in router.registry.workers.values()} == {None}
+    async with http.post(url + "/pause_generation?selector=nope", json={}) as r:
+        assert r.status == 400
+    async with http.post(url + "/pause_generation?selector=engine=vllm", json={}) as r:
+        assert r.status == 404
+    async with http.post(url + "/collective_rpc?selector=engine=sglang", json={}) as r:
+        assert r.status == 404  # not an engine command: never passed on

@@ -28,6 +28,7 @@ SCENARIOS = {
     "scale": "scale",
     "crosscheck": "crosscheck",
     "replicas": "replicas",
+    "weight-updates": "weight_updates",
 }
 LONG = {"soak": "soak"}  # minutes by design: not part of "all"
 # studies of what lies beneath dprouter (its HTTP stacks, the offline simulator's own

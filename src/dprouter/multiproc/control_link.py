@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from yarl import URL
 
 from dprouter.config import RouterConfig
 from dprouter.core.errors import error
@@ -198,7 +199,7 @@ class AdminRelay:
         try:
             async with self.channel.session.request(
                 request.method,
-                BASE + request.path_qs,
+                URL(BASE + request.raw_path, encoded=True),  # a quoted URL as an id stays so
                 data=await request.read(),
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=UPDATE_TIMEOUT + 30),

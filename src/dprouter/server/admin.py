@@ -121,6 +121,11 @@ ADMIN_ROUTES: tuple[tuple[str, str], ...] = (
     ("POST", "/remove_worker"),
     ("GET", "/list_workers"),
     ("GET", "/v1/rl/workers"),
+    # smg's RL fan-out (--enable-rl), for the same commands
+    ("GET", "/v1/rl/engine/{path:.+}"),
+    ("POST", "/v1/rl/engine/{path:.+}"),
+    ("GET", "/v1/rl/workers/{worker_id}/engine/{path:.+}"),
+    ("POST", "/v1/rl/workers/{worker_id}/engine/{path:.+}"),
     *((method, c.path) for c in COMMANDS for method in c.methods),
 )
 
@@ -157,6 +162,8 @@ class Admin:
             "/remove_worker": self.remove_worker,
             "/list_workers": self.list_workers,
             "/v1/rl/workers": self.commands.listing,
+            "/v1/rl/engine/{path:.+}": self.commands.smg,
+            "/v1/rl/workers/{worker_id}/engine/{path:.+}": self.commands.smg,
         }
         handlers = {
             ("GET", "/workers"): self.listing,

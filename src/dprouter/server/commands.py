@@ -29,6 +29,7 @@ from aiohttp import web
 
 from dprouter.core.errors import error, error_body
 from dprouter.core.types import DialectName
+from dprouter.fleet.membership.labels import matches, parse_selector
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
 
@@ -331,7 +332,9 @@ class Commands:
             self._session = aiohttp.ClientSession(auto_decompress=False)
         return self._session
 
-    async def run(self, command: Command, request: web.Request) -> web.Response:
+    async def run(self, command: Command, request: web.Request, smg: bool = False) -> web.Response:
+        """``smg``: answer in smg's ``/v1/rl/engine`` shape, to the workers its
+        ``selector`` (or the path's worker id) names."""
         self.standing = {k: v for k, v in self.standing.items() if k in self.registry.workers}
         raw = await request.read()
         body: dict[str, Any] = {}
@@ -344,7 +347,15 @@ class Commands:
                 return error(400, "the body must be a JSON object")
             body = parsed
         workers = self.registry.ready()
-        named = request.query.get("worker")
+        named = request.match_info.get("worker_id") or request.query.get("worker")
+        if smg and named is None:
+            try:
+                selector = parse_selector(request.query.get("selector", ""))
+            except ValueError as exc:
+                return error(400, f"{exc} (keys: {', '.join(SELECTOR_KEYS)})", "selector")
+            workers = [w for w in workers if matches(selector, _labels(w))]
+            if not workers:
+                return error(404, "no ready worker matches the selector", "selector")
         if named is not None:
             workers = [w for w in workers if w.id == named]
             if not workers:
@@ -366,10 +377,22 @@ class Commands:
                 )
             self.update = Update(command.path)
         try:
-            return await self._fan(command, request, workers, raw, body)
+            rows = await self._fan(command, request, workers, raw, body)
         finally:
             if command.exclusive:
                 self.update = None
+        if smg:
+            return _smg_answer(rows, single=request.match_info.get("worker_id") is not None)
+        return _answer(command, rows)
+
+    async def smg(self, request: web.Request) -> web.Response:
+        """smg's RL fan-out: ``/v1/rl/engine/{path}?selector=k=v`` and
+        ``/v1/rl/workers/{id}/engine/{path}``, for the commands of the table."""
+        path = "/" + request.match_info["path"]
+        command = next((c for c in COMMANDS if c.path == path), None)
+        if command is None or request.method not in command.methods:
+            return error(404, f"{request.method} {path} is not an engine command (docs/rl.md)")
+        return await self.run(command, request, smg=True)
 
     async def _fan(
         self,
@@ -378,28 +401,14 @@ class Commands:
         workers: list[Worker],
         raw: bytes,
         body: dict[str, Any],
-    ) -> web.Response:
+    ) -> list[dict[str, Any]]:
         for w in workers:  # held from now: no new request while the engine pauses
             if command.effect in ("pause", "begin", "update"):
                 self._set(w, command.effect, True)
         rows = await asyncio.gather(*(self._call(command, request, w, raw, body) for w in workers))
         for w, row in zip(workers, rows, strict=True):
-            ok = row.get("status") is not None and row["status"] < 300
-            self._after(command, w, ok, row, body)
-        failed = [r for r in rows if r.get("status") is None or r["status"] >= 300]
-        answer: dict[str, Any] = {"workers": rows}
-        if command.path == "/v1/loads":
-            answer.update(_merged_loads(rows))
-        if not failed:
-            return web.json_response(answer, dumps=_dumps)
-        said = ", ".join(f"{r['worker']} ({r.get('status') or r.get('error')})" for r in failed)
-        message = f"{command.path} failed on {len(failed)} of {len(rows)} worker(s): {said}"
-        statuses = {r.get("status") for r in failed}
-        status = 502
-        if len(statuses) == 1 and (only := statuses.pop()) is not None and 400 <= only < 500:
-            status = only  # every engine refused it alike: the client's to fix
-        answer.update(orjson.loads(error_body(status, message)))
-        return web.json_response(answer, status=status, dumps=_dumps)
+            self._after(command, w, _ok(row), row, body)
+        return list(rows)
 
     async def _call(
         self,
@@ -412,6 +421,7 @@ class Commands:
         assert worker.dialect is not None  # ready: discovered
         call = command.calls[worker.dialect]
         row: dict[str, Any] = {"worker": worker.id, "url": worker.url, "path": call.path}
+        started = time.monotonic()
         query: dict[str, str] = dict(request.query)
         query.pop("worker", None)
         data: bytes | None = raw or None
@@ -440,6 +450,7 @@ class Commands:
             row["status"] = None
             kind = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
             row["error"] = f"{kind} after {command.timeout:g} s" if kind == "timed out" else kind
+        row["latency_ms"] = round((time.monotonic() - started) * 1e3, 1)
         return row
 
     def _after(
@@ -515,6 +526,71 @@ class Commands:
         if self.update is not None:
             update = {"path": self.update.path, "for_s": time.monotonic() - self.update.since}
         return web.json_response({"workers": rows, "update": update}, dumps=_dumps)
+
+
+SELECTOR_KEYS = ("id", "url", "worker_type", "engine", "model_id", "weight_version")
+
+
+def _labels(worker: Worker) -> dict[str, str]:
+    """What an smg-style selector matches a worker by."""
+    found = {
+        "id": worker.id,
+        "url": worker.url,
+        "worker_type": worker.role,
+        "engine": worker.dialect,
+        "model_id": worker.models[0] if worker.models else worker.model,
+        "weight_version": worker.weight_version,
+    }
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _ok(row: dict[str, Any]) -> bool:
+    return row.get("status") is not None and row["status"] < 300
+
+
+def _answer(command: Command, rows: list[dict[str, Any]]) -> web.Response:
+    """Every worker's row; 200 when all succeeded, else an error naming those that did not:
+    the engines' status when they all refused alike (the client's to fix), 502 otherwise."""
+    failed = [r for r in rows if not _ok(r)]
+    answer: dict[str, Any] = {"workers": rows}
+    if command.path == "/v1/loads":
+        answer.update(_merged_loads(rows))
+    if not failed:
+        return web.json_response(answer, dumps=_dumps)
+    said = ", ".join(f"{r['worker']} ({r.get('status') or r.get('error')})" for r in failed)
+    message = f"{command.path} failed on {len(failed)} of {len(rows)} worker(s): {said}"
+    statuses = {r.get("status") for r in failed}
+    status = 502
+    if len(statuses) == 1 and (only := statuses.pop()) is not None and 400 <= only < 500:
+        status = only
+    answer.update(orjson.loads(error_body(status, message)))
+    return web.json_response(answer, status=status, dumps=_dumps)
+
+
+def _smg_answer(rows: list[dict[str, Any]], single: bool) -> web.Response:
+    """smg's shape: ``{"results": {id: {worker_id, url, status, latency_ms, body}},
+    "failed", "total", "succeeded"}``; one worker's row alone for a per-worker call."""
+    results = {
+        r["worker"]: {
+            "worker_id": r["worker"],
+            "url": r["url"],
+            "status": r.get("status"),
+            "latency_ms": r.get("latency_ms"),
+            **({"body": r["body"]} if "body" in r else {"error": r.get("error")}),
+        }
+        for r in rows
+    }
+    if single:
+        (only,) = results.values()
+        return web.json_response(only, status=200 if _ok(rows[0]) else 502, dumps=_dumps)
+    failed = [r["worker"] for r in rows if not _ok(r)]
+    answer = {
+        "results": results,
+        "failed": failed,
+        "total": len(rows),
+        "succeeded": len(rows) - len(failed),
+    }
+    return web.json_response(answer, status=502 if failed else 200, dumps=_dumps)
 
 
 def _merged_loads(rows: list[dict[str, Any]]) -> dict[str, Any]:

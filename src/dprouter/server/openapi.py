@@ -151,6 +151,19 @@ def _commands() -> dict[str, Any]:
     return paths
 
 
+def _smg_shaped(summary: str, *names: str) -> dict[str, Any]:
+    """smg's RL fan-out routes: the commands under its paths (docs/rl.md)."""
+    params = [
+        {"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names
+    ]
+    ops = {}
+    for method in ("get", "post"):
+        op = _operation(f"Admin: {summary}, smg's shape", False, *ADMIN)
+        op["parameters"] = params
+        ops[method] = op
+    return ops
+
+
 def _dashboard() -> dict[str, Any]:
     """The live view's routes: served only under ``--dashboard``, behind the admin token."""
     html = {"text/html": {"schema": {"type": "string"}}}
@@ -207,6 +220,10 @@ def describe(dashboard: bool = False) -> dict[str, Any]:
                 "get": _operation("Admin: workers, weights' versions, capabilities", False, *ADMIN)
             },
             **_commands(),
+            "/v1/rl/engine/{path}": _smg_shaped("a command (?selector=k=v)", "path"),
+            "/v1/rl/workers/{id}/engine/{path}": _smg_shaped(
+                "a command to one worker", "id", "path"
+            ),
             **(_dashboard() if dashboard else {}),
         },
     }
