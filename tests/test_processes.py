@@ -16,8 +16,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
-from urllib.parse import quote
 from typing import Any, Literal
+from urllib.parse import quote
 
 import aiohttp
 import pytest

@@ -5,6 +5,7 @@ Simulated engines (both personas) stand in; what each engine received is checked
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 from urllib.parse import quote
 
@@ -13,8 +14,10 @@ import pytest
 
 from dprouter.config import RouterConfig
 from dprouter.server.commands import COMMANDS
-from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.http.cluster import SimCluster
+from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster, StartRouter, until, workers
+from tests.test_cli import _serve, listening
 
 SGLANG_DP = EngineConfig(persona="sglang", dp_size=2, dp_attention=True)
 SLOW = {"max_tokens": 400}  # long enough to be in flight across a pause
@@ -33,14 +36,25 @@ async def generate(
 
 
 async def test_miles_calls_succeed_against_a_router_started_as_a_framework_starts_it(
-    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+    start_cluster: StartCluster, http: aiohttp.ClientSession
 ) -> None:
     """Every call miles makes, in its order, to a router with no token and no worker."""
     cluster = await start_cluster([SGLANG_DP, SGLANG_DP, SGLANG_DP])
+    proc = await _serve("--policy", "manual", "--assignment", "min_load")
+    try:
+        url, _ = await listening(proc)
+        assert proc.stderr is not None
+        said = [(await asyncio.wait_for(proc.stderr.readline(), 10)).decode() for _ in range(2)]
+        assert "no --admin-token: the admin API" in said[0] and "loopback" in said[0]
+        assert "no worker yet" in said[1]
+        await miles(http, cluster, url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def miles(http: aiohttp.ClientSession, cluster: SimCluster, url: str) -> None:
     one, two, old = cluster.urls
-    config = RouterConfig(policy="manual", assignment="min_load")
-    router = await start_router(config, settle=False)
-    url = router.url
     # register each engine (current gateways), and one as routers <= 0.2.1 are asked
     for engine in (one, two):
         body = {"url": engine, "worker_type": "regular", "bootstrap_port": None}
@@ -99,8 +113,7 @@ async def test_miles_calls_succeed_against_a_router_started_as_a_framework_start
             assert r.status == 200, (path, answer)
             assert [row["status"] for row in answer["workers"]] == [200, 200, 200], path
     for server in cluster.servers:
-        engine_path = "/pause_generation"
-        assert server.hits[f"POST {engine_path}"] == 1 and server.hits["GET /flush_cache"] == 1
+        assert server.hits["POST /pause_generation"] == 1 and server.hits["GET /flush_cache"] == 1
         assert server.weights.version == "2" and server.weights.paused is None
     assert len(answer["loads"]) == 6  # every rank of every engine
     status, headers, meta = await generate(http, url, "after")
@@ -352,3 +365,32 @@ async def test_smgs_rl_fan_out_paths_run_the_same_commands(
         assert r.status == 404
     async with http.post(url + "/collective_rpc?selector=engine=sglang", json={}) as r:
         assert r.status == 404  # not an engine command: never passed on
+
+
+async def test_pd_engines_register_by_worker_type_and_join_their_pools(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """miles registers a P/D fleet with worker_type (and the prefill's bootstrap_port)."""
+    roles = [PdConfig(mode="sglang", role=role, kv_wait=2.0) for role in ("prefill", "decode")]
+    cluster = await start_cluster(
+        [EngineConfig(persona="sglang", dp_size=2, pd=pd) for pd in roles]
+    )
+    prefill, decode = cluster.servers
+    router = await start_router(RouterConfig(pd="sglang"), settle=False)
+    port = prefill.pd.bootstrap_port if prefill.pd is not None else None
+    for body in (
+        {"url": prefill.url, "worker_type": "prefill", "bootstrap_port": port},
+        {"url": decode.url, "worker_type": "decode"},
+    ):
+        async with http.post(router.url + "/workers?wait=5", json=body) as r:
+            assert r.status == 201, await r.text()
+    async with http.post(router.url + "/workers", json={"url": "http://127.0.0.1:9"}) as r:
+        assert r.status == 400  # a regular worker has no place in a P/D router
+    async with http.get(router.url + "/workers") as r:
+        listed = await r.json()
+    assert [w["worker_type"] for w in listed["workers"]] == ["prefill", "decode"]
+    assert listed["stats"]["by_type"] == {"regular": 0, "prefill": 1, "decode": 1}
+    assert listed["workers"][0]["bootstrap_port"] == port
+    status, headers, _ = await generate(http, router.url, "pd-1")
+    assert status == 200 and headers["x-dprouter-prefill"].startswith("p0/")
+    assert len(decode.received) == 1
