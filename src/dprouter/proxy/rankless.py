@@ -134,17 +134,32 @@ class Rankless:
         self, worker: Worker, path: str, method: str, headers: CIMultiDict[str]
     ) -> dict[str, Any]:
         row: dict[str, Any] = {"worker": worker.id, "url": worker.url, "path": path}
-        try:
-            async with self.parts.upstream.session.request(
-                method, worker.url + path, headers=headers, timeout=FAN_TIMEOUT
-            ) as r:
-                raw = await r.read()
-                row["status"] = r.status
-                try:
-                    row["body"] = orjson.loads(raw) if raw else None
-                except orjson.JSONDecodeError:
-                    row["body"] = raw.decode(errors="replace")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            row["status"] = None
-            row["error"] = f"{type(exc).__name__} {exc}".strip()
-        return row
+        session = self.parts.upstream.session
+        return await ask(session, method, worker.url + path, row, FAN_TIMEOUT, headers=headers)
+
+
+async def ask(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    row: dict[str, Any],
+    bound: aiohttp.ClientTimeout,
+    **request: Any,
+) -> dict[str, Any]:
+    """One call of a fan-out, ``bound`` in time: ``row`` gets the engine's status and its
+    body (JSON, else text), or, when there is no answer, status None and why."""
+    try:
+        async with session.request(method, url, timeout=bound, **request) as r:
+            raw = await r.read()
+            row["status"] = r.status
+            try:
+                row["body"] = orjson.loads(raw) if raw else None
+            except orjson.JSONDecodeError:
+                row["body"] = raw.decode(errors="replace")
+    except TimeoutError:
+        row["status"] = None
+        row["error"] = f"timed out after {bound.total:g} s"
+    except aiohttp.ClientError as exc:
+        row["status"] = None
+        row["error"] = f"{type(exc).__name__} {exc}".strip()
+    return row

@@ -32,6 +32,7 @@ from dprouter.core.types import DialectName
 from dprouter.fleet.membership.labels import matches, parse_selector
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
+from dprouter.proxy.rankless import ask
 
 # what a command does to the router's view of a worker, once its engine said yes
 Effect = Literal["pause", "resume", "begin", "update", "finish", "version", "sleep", "wake"]
@@ -431,25 +432,9 @@ class Commands:
             data = None if translated is None else orjson.dumps(translated)
         headers = {"Content-Type": "application/json"} if data is not None else {}
         timeout = aiohttp.ClientTimeout(total=command.timeout)
-        try:
-            async with self.session.request(
-                call.method or request.method,
-                worker.url + call.path,
-                params=query,
-                data=data,
-                headers=headers,
-                timeout=timeout,
-            ) as r:
-                said = await r.read()
-                row["status"] = r.status
-                try:
-                    row["body"] = orjson.loads(said) if said else None
-                except orjson.JSONDecodeError:
-                    row["body"] = said.decode(errors="replace")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            row["status"] = None
-            kind = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
-            row["error"] = f"{kind} after {command.timeout:g} s" if kind == "timed out" else kind
+        method = call.method or request.method
+        url = worker.url + call.path
+        await ask(self.session, method, url, row, timeout, params=query, data=data, headers=headers)
         row["latency_ms"] = round((time.monotonic() - started) * 1e3, 1)
         return row
 

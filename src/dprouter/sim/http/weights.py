@@ -142,12 +142,10 @@ class Weights:
         return web.json_response(answer)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await _object(request)
-        if isinstance(body, web.Response):
-            return body
-        version = body.get("new_version")
-        if not isinstance(version, str):
-            return _unprocessable("new_version", version, ("a string",))
+        said = await _new_version(request)
+        if isinstance(said, web.Response):
+            return said
+        body, version = said
         if body.get("abort_all_requests"):
             self.server.runner.abort_all()
         self.version = version
@@ -204,13 +202,10 @@ class Weights:
         return web.json_response({"status": "aborted", "aborted": aborted})
 
     async def vllm_version(self, request: web.Request) -> web.Response:
-        body = await _object(request)
-        if isinstance(body, web.Response):
-            return body
-        version = body.get("new_version")
-        if not isinstance(version, str):
-            return _unprocessable("new_version", version, ("a string",))
-        self.version = version
+        said = await _new_version(request)
+        if isinstance(said, web.Response):
+            return said
+        self.version = version = said[1]
         return web.json_response({"success": True, "new_version": version})
 
     async def vllm_weight_info(self, _: web.Request) -> web.Response:
@@ -241,6 +236,17 @@ async def _object(request: web.Request) -> dict[str, Any] | web.Response:
     if not isinstance(body, dict):
         return web.json_response({"detail": "the body must be a JSON object"}, status=422)
     return body
+
+
+async def _new_version(request: web.Request) -> tuple[dict[str, Any], str] | web.Response:
+    """``update_weight_version``'s body and its ``new_version`` (a string, in both engines)."""
+    body = await _object(request)
+    if isinstance(body, web.Response):
+        return body
+    version = body.get("new_version")
+    if not isinstance(version, str):
+        return _unprocessable("new_version", version, ("a string",))
+    return body, version
 
 
 def _unprocessable(field: str, value: object, wanted: tuple[str, ...]) -> web.Response:
