@@ -13,10 +13,12 @@ import aiohttp
 import pytest
 
 from dprouter.config import RouterConfig
+from dprouter.fleet.weights import newest
+from dprouter.server.admin import trusted
 from dprouter.server.commands import COMMANDS
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.model.config import EngineConfig, PdConfig
-from tests.conftest import StartCluster, StartRouter, until, workers
+from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
 from tests.test_cli import _serve, listening
 
 SGLANG_DP = EngineConfig(persona="sglang", dp_size=2, dp_attention=True)
@@ -162,6 +164,8 @@ async def test_a_pause_holds_new_requests_and_loses_none_in_flight(
             assert r.status == 200, await r.text()
     done = await asyncio.wait_for(asyncio.gather(*early, *late), 20)
     assert [status for status, _, _ in done] == [200] * 8
+    # those that waited were not refused: nothing counted as such
+    assert await metric_sum(http, url, "dprouter_rejected_total") == 0
     assert engine.weights.retracted == 4
     assert {h["x-dprouter-weight-version"] for _, h, _ in done[4:]} == {"7"}
     assert worker.held is None and worker.weight_version == "7"
@@ -394,3 +398,50 @@ async def test_pd_engines_register_by_worker_type_and_join_their_pools(
     status, headers, _ = await generate(http, router.url, "pd-1")
     assert status == 200 and headers["x-dprouter-prefill"].startswith("p0/")
     assert len(decode.received) == 1
+
+
+async def test_a_command_runs_to_its_end_when_its_client_leaves(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    cluster = await start_cluster([SGLANG_DP, SGLANG_DP])
+    for server in cluster.servers:
+        server.weights.update_time = 0.5
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    body = {"model_path": "m", "weight_version": "11"}
+    quick = aiohttp.ClientTimeout(total=0.1)
+    with pytest.raises(TimeoutError):
+        await http.post(router.url + "/update_weights_from_disk", json=body, timeout=quick)
+    assert await until(lambda: all(s.weights.updates == 1 for s in cluster.servers))
+    listed = router.registry.workers.values()
+    assert await until(lambda: all(w.held is None and w.weight_version == "11" for w in listed))
+    async with http.get(router.url + "/v1/rl/workers") as r:
+        assert (await r.json())["updates"] == {}  # the lock went with it
+
+
+async def test_updates_to_different_workers_run_side_by_side(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """miles sends init_weights_update_group to each engine with its own rank_offset, at
+    once: the lock is per worker, and a fleet-wide update meanwhile is refused."""
+    cluster = await start_cluster([SGLANG_DP, SGLANG_DP])
+    for server in cluster.servers:
+        server.weights.update_time = 0.4
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+
+    async def update(worker: str) -> int:
+        body = {"model_path": "m", "weight_version": "2"}
+        path = f"/update_weights_from_disk?worker={worker}"
+        async with http.post(router.url + path, json=body) as r:
+            return r.status
+
+    both = asyncio.gather(update("w0"), update("w1"))
+    assert await until(lambda: all(w.held for w in router.registry.workers.values()))
+    async with http.post(router.url + "/update_weight_version", json={"new_version": "3"}) as r:
+        assert r.status == 409 and "on w0" in (await r.json())["error"]["message"]
+    assert list(await both) == [200, 200]
+
+
+def test_latest_is_the_largest_number_and_a_mapped_loopback_is_loopback() -> None:
+    assert newest(["7", "default"]) == "7" and newest(["default", "7", "12"]) == "12"
+    assert newest(["a", "b"]) == "b" and newest([None]) is None
+    assert trusted("::ffff:127.0.0.1", ()) and trusted("::ffff:10.0.0.4", ("10.0.0.0/8",))

@@ -28,10 +28,12 @@ def at_least(version: str | None, floor: str) -> bool:
 
 
 def newest(versions: Iterable[str | None]) -> str | None:
-    """The newest of ``versions``: the largest number; with names, the last one said."""
+    """The newest of ``versions``: the largest number, a name counting as older than any
+    (SGLang starts at ``default``: the first update's number is newer); names alone, the
+    last in the order given."""
     known = [v for v in versions if v is not None]
     numbers = [v for v in known if _number(v) is not None]
-    if numbers and len(numbers) == len(known):
+    if numbers:
         return max(numbers, key=lambda v: _number(v) or 0.0)
     return known[-1] if known else None
 

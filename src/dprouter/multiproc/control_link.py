@@ -26,6 +26,7 @@ from yarl import URL
 
 from dprouter.config import RouterConfig
 from dprouter.core.errors import error
+from dprouter.core.headers import HOP_BY_HOP, without
 from dprouter.core.types import Role
 from dprouter.fleet.breakers import BreakerOptions, Breakers
 from dprouter.fleet.monitor import Monitor
@@ -54,6 +55,7 @@ from dprouter.server.admin import ADMIN_ROUTES, denied
 from dprouter.server.commands import UPDATE_TIMEOUT
 
 log = logging.getLogger("dprouter.follower")
+HOP = HOP_BY_HOP | {"date", "server"}  # the relay's own say these
 
 
 class Channel:
@@ -205,8 +207,7 @@ class AdminRelay:
                 timeout=aiohttp.ClientTimeout(total=UPDATE_TIMEOUT + 30),
             ) as r:
                 body = await r.read()
-                kind = r.headers.get("Content-Type", "application/json")
-                return web.Response(status=r.status, body=body, headers={"Content-Type": kind})
+                return web.Response(status=r.status, body=body, headers=without(r.headers, HOP))
         except (aiohttp.ClientError, TimeoutError) as exc:
             return error(503, f"the router's control plane did not answer ({exc})")
 

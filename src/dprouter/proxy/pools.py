@@ -44,8 +44,10 @@ def choose_pools(
     path: str,
     dialect: DialectName | None = None,
     pinned: Mapping[Role, int | None] | None = None,
+    count: bool = True,
 ) -> Pools | web.Response:
-    """One pool per role, in the order of ``roles``, or the error to answer with."""
+    """One pool per role, in the order of ``roles``, or the error to answer with (counted
+    in the metrics unless ``count`` is False: a request that may wait is counted once)."""
     snapshot = registry.snapshot
     if not pinned and len(roles) == 1:  # the common case: one pool, no rank pinned
         found = snapshot.pool(roles[0], model, dialect)
@@ -64,10 +66,11 @@ def choose_pools(
     if all(pools):
         return tuple(pools)
     if model is not None and all(snapshot.pool(role, None, dialect) for role in roles):
-        metrics.rejected.labels("unknown_model").inc()
+        if count:
+            metrics.rejected.labels("unknown_model").inc()
         return error(404, f"The model `{model}` does not exist.", "model")
     missing = next(role for role, pool in zip(roles, pools, strict=True) if not pool)
-    return no_pool(registry, metrics, dialect, path, missing)
+    return no_pool(registry, metrics, dialect, path, missing, count)
 
 
 def no_pool(
@@ -76,10 +79,12 @@ def no_pool(
     dialect: DialectName | None,
     path: str,
     role: Role = "regular",
+    count: bool = True,
 ) -> web.Response:
     """The answer when no target can take a request: 404 when no worker of the path's
     dialect is even configured (none ever will be), else 503."""
-    metrics.rejected.labels("no_target").inc()
+    if count:
+        metrics.rejected.labels("no_target").inc()
     if dialect is None:
         what = "worker" if role == "regular" else f"{role} worker"
         return error(503, f"no ready {what} to route to")
@@ -111,8 +116,8 @@ async def wait_pools(
         except ConfigError as exc:
             return error(400, str(exc), WEIGHT_VERSION_HEADER)
 
-    def once() -> Pools | web.Response:
-        chosen = choose_pools(registry, metrics, roles, model, request.path, dialect, pinned)
+    def once(count: bool = False) -> Pools | web.Response:
+        chosen = choose_pools(registry, metrics, roles, model, request.path, dialect, pinned, count)
         if wanted is None or isinstance(chosen, web.Response):
             return chosen
         latest = newest(w.weight_version for w in registry.ready())
@@ -124,24 +129,38 @@ async def wait_pools(
             return kept
         return error(503, f"no ready worker serves weights {wanted.floor or latest} yet")
 
+    def waits(chosen: Pools | web.Response) -> bool:
+        """No pool now, but a held worker could serve it, or a newer version may come: a
+        model or a rank only a held worker has is not unknown, it is paused."""
+        if not isinstance(chosen, web.Response) or wait <= 0:
+            return False
+        if chosen.status == 503:
+            return registry.held or wanted is not None
+        return registry.held and any(
+            w.held is not None
+            and w.role in roles
+            and (model is None or w.serves(model))
+            and (dialect is None or w.dialect == dialect)
+            for w in registry.ready()
+        )
+
     chosen = once()
-    if not isinstance(chosen, web.Response) or chosen.status != 503 or wait <= 0:
-        return chosen
-    if not registry.held and wanted is None:
-        return chosen
+    if not waits(chosen):
+        return chosen if not isinstance(chosen, web.Response) else once(count=True)
     changed = asyncio.Event()
     registry.listeners.append(changed.set)
     try:
         async with asyncio.timeout(wait):
-            while isinstance(chosen, web.Response) and chosen.status == 503:
+            while waits(chosen):
                 changed.clear()
                 await changed.wait()
                 chosen = once()
     except TimeoutError:
         held = sorted({w.held for w in registry.ready() if w.held is not None})
         if held:
+            metrics.rejected.labels("no_target").inc()
             why = " or ".join(held)
             return error(503, f"every worker that could serve it is {why}; waited {wait:g} s")
     finally:
         registry.listeners.remove(changed.set)
-    return chosen
+    return chosen if not isinstance(chosen, web.Response) else once(count=True)

@@ -65,7 +65,9 @@ def trusted(remote: str | None, admin_from: Sequence[str]) -> bool:
     try:
         address = ipaddress.ip_address((remote or "").split("%")[0])
     except ValueError:
-        return False
+        return False  # no address: not a caller it can place
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # an IPv4 caller of a dual-stack socket
     if address.is_loopback:
         return True
     return any(address in network for network in admin_networks(admin_from))

@@ -72,7 +72,9 @@ VLLM_PAUSE = {"abort": "abort", "retract": "keep", "in_place": "keep"}
 
 def _vllm_pause(body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any] | None]:
     mode = body.get("mode", "abort")
-    return {"mode": VLLM_PAUSE.get(mode, str(mode))}, None
+    if not isinstance(mode, str):
+        raise ValueError(f"mode must be a string, got {mode!r}")
+    return {"mode": VLLM_PAUSE.get(mode, mode)}, None
 
 
 def _vllm_abort(body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any] | None]:
@@ -301,7 +303,7 @@ class Standing:
 
 @dataclass
 class Update:
-    """The weight update in flight: one at a time."""
+    """A weight update in flight: one at a time on each worker."""
 
     path: str
     since: float = field(default_factory=time.monotonic)
@@ -314,8 +316,16 @@ class Commands:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.standing: dict[str, Standing] = {}  # by worker id
-        self.update: Update | None = None
+        self.updates: dict[str, Update] = {}  # in flight, by worker id
         self._session: aiohttp.ClientSession | None = None
+        registry.listeners.append(self._forget)
+
+    def _forget(self) -> None:
+        """A worker that left leaves its standing behind: one added again under its id
+        starts afresh."""
+        gone = [k for k in self.standing if k not in self.registry.workers]
+        for k in gone:
+            del self.standing[k]
 
     def handler(self, command: Command) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(request: web.Request) -> web.Response:
@@ -336,7 +346,6 @@ class Commands:
     async def run(self, command: Command, request: web.Request, smg: bool = False) -> web.Response:
         """``smg``: answer in smg's ``/v1/rl/engine`` shape, to the workers its
         ``selector`` (or the path's worker id) names."""
-        self.standing = {k: v for k, v in self.standing.items() if k in self.registry.workers}
         raw = await request.read()
         body: dict[str, Any] = {}
         if raw:
@@ -369,19 +378,21 @@ class Commands:
             kinds = " or ".join(sorted(command.calls))
             return error(404, f"{command.path} is {kinds}'s; no such worker is ready")
         if command.exclusive:
-            if self.update is not None:
-                ago = time.monotonic() - self.update.since
+            busy = next((w for w in workers if w.id in self.updates), None)
+            if busy is not None:
+                update = self.updates[busy.id]
+                ago = time.monotonic() - update.since
                 return error(
                     409,
-                    f"a weight update is in flight ({self.update.path}, {ago:.1f} s): "
+                    f"a weight update is in flight on {busy.id} ({update.path}, {ago:.1f} s): "
                     "one at a time; retry when it ends",
                 )
-            self.update = Update(command.path)
-        try:
-            rows = await self._fan(command, request, workers, raw, body)
-        finally:
-            if command.exclusive:
-                self.update = None
+            for w in workers:
+                self.updates[w.id] = Update(command.path)
+        # its own task: a client that leaves does not stop it half-way, and what the
+        # engines said is applied (holds released, versions kept) whatever the client does
+        fan = asyncio.create_task(self._fan(command, request, workers, raw, body))
+        rows = await asyncio.shield(fan)
         if smg:
             return _smg_answer(rows, single=request.match_info.get("worker_id") is not None)
         return _answer(command, rows)
@@ -391,8 +402,10 @@ class Commands:
         ``/v1/rl/workers/{id}/engine/{path}``, for the commands of the table."""
         path = "/" + request.match_info["path"]
         command = next((c for c in COMMANDS if c.path == path), None)
-        if command is None or request.method not in command.methods:
-            return error(404, f"{request.method} {path} is not an engine command (docs/rl.md)")
+        if command is None:
+            return error(404, f"{path} is not an engine command (docs/rl.md)")
+        if request.method not in command.methods:
+            return error(405, f"{path} takes {' or '.join(command.methods)}")
         return await self.run(command, request, smg=True)
 
     async def _fan(
@@ -403,13 +416,19 @@ class Commands:
         raw: bytes,
         body: dict[str, Any],
     ) -> list[dict[str, Any]]:
-        for w in workers:  # held from now: no new request while the engine pauses
-            if command.effect in ("pause", "begin", "update"):
-                self._set(w, command.effect, True)
-        rows = await asyncio.gather(*(self._call(command, request, w, raw, body) for w in workers))
-        for w, row in zip(workers, rows, strict=True):
-            self._after(command, w, _ok(row), row, body)
-        return list(rows)
+        try:
+            for w in workers:  # held from now: no new request while the engine pauses
+                if command.effect in ("pause", "begin", "update"):
+                    self._set(w, command.effect, True)
+            calls = (self._call(command, request, w, raw, body) for w in workers)
+            rows = await asyncio.gather(*calls)
+            for w, row in zip(workers, rows, strict=True):
+                self._after(command, w, _ok(row), row, body)
+            return list(rows)
+        finally:
+            if command.exclusive:
+                for w in workers:
+                    self.updates.pop(w.id, None)
 
     async def _call(
         self,
@@ -427,7 +446,11 @@ class Commands:
         query.pop("worker", None)
         data: bytes | None = raw or None
         if call.translate is not None:
-            extra, translated = call.translate(body)
+            try:
+                extra, translated = call.translate(body)
+            except (TypeError, ValueError) as exc:
+                row.update(status=None, error=f"cannot say it in {worker.dialect}'s words: {exc}")
+                return row
             query.update(extra)
             data = None if translated is None else orjson.dumps(translated)
         headers = {"Content-Type": "application/json"} if data is not None else {}
@@ -507,10 +530,9 @@ class Commands:
                     "capabilities": CAPABILITIES.get(w.dialect) if w.dialect else None,
                 }
             )
-        update = None
-        if self.update is not None:
-            update = {"path": self.update.path, "for_s": time.monotonic() - self.update.since}
-        return web.json_response({"workers": rows, "update": update}, dumps=_dumps)
+        now = time.monotonic()
+        updates = {k: {"path": u.path, "for_s": now - u.since} for k, u in self.updates.items()}
+        return web.json_response({"workers": rows, "updates": updates}, dumps=_dumps)
 
 
 SELECTOR_KEYS = ("id", "url", "worker_type", "engine", "model_id", "weight_version")
@@ -546,8 +568,9 @@ def _answer(command: Command, rows: list[dict[str, Any]]) -> web.Response:
     message = f"{command.path} failed on {len(failed)} of {len(rows)} worker(s): {said}"
     statuses = {r.get("status") for r in failed}
     status = 502
-    if len(statuses) == 1 and (only := statuses.pop()) is not None and 400 <= only < 500:
-        status = only
+    alike = len(failed) == len(rows) and len(statuses) == 1
+    if alike and (only := statuses.pop()) is not None and 400 <= only < 500:
+        status = only  # every engine refused it alike: the client's to fix
     answer.update(orjson.loads(error_body(status, message)))
     return web.json_response(answer, status=status, dumps=_dumps)
 

@@ -174,12 +174,16 @@ class Weights:
         mode = request.query.get("mode", "abort")
         if mode not in VLLM_MODES:
             return _unprocessable("mode", mode, VLLM_MODES)
-        if mode == "wait":  # what is in flight finishes first (a minute at most); new ones wait
+        if mode == "wait":  # what is in flight finishes first (30 s at most); new ones wait
             self._running.clear()
-            for _ in range(6000):
-                if not self.server.runner.live():
-                    break
-                await asyncio.sleep(0.01)
+            try:
+                for _ in range(3000):
+                    if not self.server.runner.live():
+                        break
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                self._running.set()  # the pause never happened
+                raise
         self.pause(mode)
         return web.json_response({"status": "paused"})
 
