@@ -25,6 +25,7 @@ from tests.conftest import (
     StartCluster,
     StartRouter,
     completions_engine,
+    metric_sum,
     serving,
     stalling,
     stream_ends,
@@ -184,12 +185,43 @@ async def test_sglang_room_and_ranks_agree(
     await served(http, dep.router.url, 8)
     for pre in dep.prefills[0].received:
         assert pre.body["bootstrap_room"] % 8 == pre.body["routed_dp_rank"] == pre.rank
+        assert pre.body["disagg_prefill_dp_rank"] == pre.rank  # the real engine needs it
     decode_bodies = [rec.body for rec in dep.decodes[0].received]
     assert {b["disagg_prefill_dp_rank"] for b in decode_bodies} == set(range(8))
     assert all(
         b["routed_dp_rank"] == rec.rank
         for b, rec in zip(decode_bodies, dep.decodes[0].received, strict=True)
     )
+
+
+@pytest.mark.parametrize("attention", [False, True])
+async def test_a_dp_prefill_refuses_no_room_on_any_rank(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    attention: bool,
+) -> None:
+    """SGLang 0.5.23's prefill under plain DP refused every room that implied a rank other
+    than 0 until dprouter told it its rank (the simulated one refuses alike): over plain
+    and attention DP, no refusal, no target out, both ranks serving."""
+    configs = [
+        EngineConfig(
+            persona="sglang",
+            dp_size=2,
+            dp_attention=attention,
+            pd=PdConfig(mode="sglang", role=role, kv_wait=2.0),
+        )
+        for role in ("prefill", "decode")
+    ]
+    cluster = await start_cluster(configs)
+    prefill, decode = cluster.servers
+    specs = (WorkerSpec(prefill.url, role="prefill"), WorkerSpec(decode.url, role="decode"))
+    router = await start_router(RouterConfig(pd="sglang", workers=specs))
+    await served(http, router.url, 16)
+    assert Counter(rec.rank for rec in prefill.received) == {0: 8, 1: 8}
+    assert all(rec.body["disagg_prefill_dp_rank"] == rec.rank for rec in prefill.received)
+    assert not any(t.tripped for t in router.registry.targets())
+    assert await metric_sum(http, router.url, "dprouter_upstream_errors_total") == 0
 
 
 async def test_a_dead_prefill_is_passed_over_before_the_first_byte(

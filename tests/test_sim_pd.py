@@ -215,7 +215,8 @@ async def test_sglang_prefill_and_decode_meet_on_the_bootstrap_room(
         decode = {**common, "routed_dp_rank": 1}
         if claimed is not None:
             decode["disagg_prefill_dp_rank"] = claimed
-        return {**common, "routed_dp_rank": p_rank}, decode
+        # a plain-DP prefill must be told its rank (below: what it says otherwise)
+        return {**common, "routed_dp_rank": p_rank, "disagg_prefill_dp_rank": p_rank}, decode
 
     prefill, decode = bodies(4 * 1000 + 2, 2, 2)
     (ds, dout), (ps, _) = await asyncio.gather(
@@ -229,6 +230,13 @@ async def test_sglang_prefill_and_decode_meet_on_the_bootstrap_room(
     prefill, decode = bodies(4 * 1000 + 1, 1, 0)  # told the wrong prefill rank
     (ds, dout), _ = await asyncio.gather(post(http, d.url, decode), post(http, p.url, prefill))
     assert ds == 500 and "produced on rank 1, not rank 0" in dout["message"]  # SGLang's shape
+    prefill, _ = bodies(4 * 1000 + 3, 3, None)
+    del prefill["disagg_prefill_dp_rank"]  # SGLang 0.5.23 refuses it, as on the real pair
+    ps, pout = await post(http, p.url, prefill)
+    assert ps == 500 and pout["message"].startswith(
+        "follow_bootstrap_room conflict: dispatched to dp_rank 0 but bootstrap_room 4003 "
+        "implies dp_rank 3."
+    )
     _, decode = bodies(777, 1, 1)  # the prefill never comes
     ds, dout = await post(http, d.url, decode)
     assert ds == 500 and "was never produced" in dout["message"]

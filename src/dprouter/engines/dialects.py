@@ -99,7 +99,8 @@ def write_rank(
 
 
 def write_prefill_rank(rank: int | None, body: dict[str, Any]) -> None:
-    """SGLang P/D: tell the decode which prefill rank holds the KV it is to fetch."""
+    """SGLang P/D: tell the decode which prefill rank holds the KV it is to fetch, and the
+    prefill which rank it runs on."""
     if rank is not None:
         body["disagg_prefill_dp_rank"] = rank
 

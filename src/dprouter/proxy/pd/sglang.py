@@ -20,6 +20,10 @@ async def run(
     rid, _ = ensure_rid(body)  # both legs carry it: a client that leaves aborts both
     room = pd_wire.sglang_rooms(body, prefill, rng)
     prefill_body, decode_body = pd_wire.sglang_bodies(body, prefill, room)
+    # the decode fetches from that rank; the prefill must be told it too: without it a
+    # plain-DP prefill checks the room against its attention rank (0 on every replica)
+    # and refuses every room that implies another (SGLang 0.5.23, real-pd-cpu.md)
+    dialects.write_prefill_rank(prefill.rank, prefill_body)
     dialects.write_prefill_rank(prefill.rank, decode_body)  # each leg's own: ``Call.send``
     with call.aborter.on_cancel(prefill.worker, rid), call.aborter.on_cancel(decode.worker, rid):
         return await run_both(call, prefill, decode, prefill_body, decode_body, {})

@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from dprouter.sim.http.pd import PdError, decode_ticket, prefill_key, prefill_meta, take
+from dprouter.sim.http.pd import (
+    PdError,
+    decode_ticket,
+    prefill_key,
+    prefill_meta,
+    room_conflict,
+    take,
+)
 from dprouter.sim.http.persona import RankError
 from dprouter.sim.http.protocol import Kind, Parsed, parse
 from dprouter.sim.http.responses import DONE, Render, generate_meta, sse, usage
@@ -150,6 +157,11 @@ class Generation:
         try:
             me = self.server.me()
             if pd.role == "prefill":
+                config = self.server.config
+                if pd.mode == "sglang":
+                    conflict = room_conflict(body, rank, config.dp_size, config.dp_attention)
+                    if conflict is not None:
+                        return self.fail(500, conflict, "InternalServerError")
                 self.prefill_key = prefill_key(pd, body, rid)
                 self.prefill_meta = prefill_meta(pd, body, self.request.headers, me)
                 return None

@@ -161,6 +161,28 @@ def decode_ticket(
     )
 
 
+def room_conflict(
+    body: Mapping[str, Any], rank: int | None, dp_size: int, dp_attention: bool
+) -> str | None:
+    """SGLang 0.5.23's prefill under ``follow_bootstrap_room`` (its default with DP): a
+    request without ``disagg_prefill_dp_rank`` must sit on the attention-DP rank its room
+    implies (``room % dp``). Under plain DP every replica's attention rank is 0, so every
+    room that implies another fails, wherever it was dispatched
+    (``disaggregation/common/conn.py``): the error, or None."""
+    room = body.get("bootstrap_room")
+    if dp_size < 2 or body.get("disagg_prefill_dp_rank") is not None or not isinstance(room, int):
+        return None
+    implied = room % dp_size
+    attention = (implied if rank is None else rank) if dp_attention else 0
+    if attention == implied:
+        return None
+    return (
+        f"follow_bootstrap_room conflict: dispatched to dp_rank {attention} but bootstrap_room "
+        f"{room} implies dp_rank {implied}. Set SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"
+        "=1 to allow mixed routing."
+    )
+
+
 def prefill_key(pd: PdConfig, body: Mapping[str, Any], rid: str) -> str:
     """The key the prefill engine keeps its KV under."""
     if pd.mode == "vllm-nixl":
