@@ -281,7 +281,7 @@ async def test_streamed_decode_passes_through_byte_exact(
             assert body["bootstrap_room"] % 2 == body["disagg_prefill_dp_rank"]
         else:
             kv = body["kv_transfer_params"]
-            assert kv["remote_engine_id"].startswith(prefill.engine_id + "-dp")  # unchanged
+            assert kv["remote_engine_id"].startswith(prefill.engine_id + "_dp")  # unchanged
             assert kv["remote_port"] == prefill.port
 
 

@@ -53,7 +53,7 @@ async def test_nixl_prefill_hands_kv_to_decode_once(
     status, answer = await post(http, p.url, prefill, {RANK: "1"})
     assert status == 200
     kv = answer["kv_transfer_params"]
-    assert kv["remote_engine_id"] == f"{p.engine_id}-dp1"
+    assert kv["remote_engine_id"] == f"{p.engine_id}_dp1"
     assert (kv["remote_host"], kv["remote_port"]) == ("127.0.0.1", p.port)
     assert kv["do_remote_prefill"] is True and kv["remote_block_ids"]
     status, out = await post(http, d.url, {**BODY, "kv_transfer_params": kv}, {RANK: "0"})
@@ -67,7 +67,7 @@ async def test_nixl_prefill_hands_kv_to_decode_once(
     ("change", "message"),
     [
         ({"remote_request_id": "cmpl-never"}, "was never produced"),
-        ({"remote_engine_id": "engine-0-dp0"}, "belongs to engine-0-dp1, not engine-0-dp0"),
+        ({"remote_engine_id": "engine-0_dp0"}, "belongs to engine-0_dp1, not engine-0_dp0"),
         ({"prompt": "another prompt entirely"}, "holds a different prompt"),
     ],
 )

@@ -31,8 +31,9 @@ class KvStore:
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
     def engine_name(self, rank: int) -> str:
-        """The per-rank engine id a real connector reports (each DP rank is an engine core)."""
-        return f"{self.engine_id}-dp{rank}"
+        """The per-rank engine id a real connector reports: each DP rank is an engine core,
+        named ``<engine_id>_dp<rank>`` (vLLM 0.32, ``v1/engine/core.py``)."""
+        return f"{self.engine_id}_dp{rank}"
 
     def publish(
         self,

@@ -9,7 +9,8 @@ transfer) before it decodes, and fails clearly when the pairing is wrong.
 
 Keys and where the decode learns them:
 - vLLM NIXL: the prefill request id; ``kv_transfer_params`` carry ``remote_host``,
-  ``remote_port``, ``remote_engine_id`` (``<engine>-dp<rank>``) and it.
+  ``remote_port``, ``remote_engine_id`` (``<engine>_dp<rank>``, as vLLM names each DP
+  rank's engine core) and it; ``remote_block_ids`` one list per KV-cache group.
 - vLLM MoRIIO: ``transfer_id``; the prefill address is in ``X-Request-Id``
   (``___prefill_addr_<zmq>___decode_addr_<zmq>_<uuid>``), the rank in
   ``remote_dp_rank``.
@@ -118,7 +119,15 @@ def decode_ticket(
         kv = _kv(body)
         if kv.get("do_remote_prefill") is not True:
             raise PdError("kv_transfer_params must ask for do_remote_prefill")
-        _need(kv, "remote_host", "remote_port", "remote_engine_id", "remote_request_id")
+        # the keys vLLM 0.32's NIXL metadata requires (``nixl/metadata.py``)
+        _need(
+            kv,
+            "remote_host",
+            "remote_port",
+            "remote_engine_id",
+            "remote_request_id",
+            "remote_block_ids",
+        )
         return Ticket(
             _url(kv["remote_host"], int(kv["remote_port"])),
             str(kv["remote_request_id"]),
@@ -217,8 +226,17 @@ def prefill_answer(
         "remote_engine_id": store.engine_name(rank),
         "tp_size": tp_size,
     }
-    if pd.mode == "vllm-nixl":
-        return {**common, "remote_request_id": key, "remote_host": host, "remote_port": port}
+    if pd.mode == "vllm-nixl":  # as vLLM 0.32's NIXL pull scheduler answers
+        return {
+            **common,
+            "remote_block_ids": [blocks],  # one list per KV-cache group (one here)
+            "remote_request_id": key,
+            "remote_host": host,
+            "remote_port": port,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt_tokens,
+        }
     if pd.mode == "vllm-moriio":
         return {**common, "transfer_id": key}
     return None
