@@ -109,6 +109,8 @@ async def wait_pools(
     ``X-DPRouter-Weight-Version``: a weight update pauses engines for seconds, and a
     rollout would rather wait than fail."""
     header = request.headers.get(WEIGHT_VERSION_HEADER)
+    if header is None and not registry.held:  # the hot path: nothing to wait for
+        return choose_pools(registry, metrics, roles, model, request.path, dialect, pinned)
     wanted = None
     if header is not None:
         try:
