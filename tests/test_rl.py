@@ -16,6 +16,7 @@ from dprouter.config import RouterConfig
 from dprouter.fleet.weights import newest
 from dprouter.server.admin import trusted
 from dprouter.server.commands import COMMANDS
+from dprouter.server.router import Router
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
@@ -35,6 +36,16 @@ async def generate(
     body = {"text": f"rollout {rid}", "rid": rid, "sampling_params": {"max_new_tokens": max_tokens}}
     async with http.post(url + "/generate", json=body, headers=headers or {}) as r:
         return r.status, dict(r.headers), await r.json(content_type=None)
+
+
+async def slow_loads(
+    start_cluster: StartCluster, start_router: StartRouter, seconds: float
+) -> tuple[SimCluster, Router]:
+    """Two SGLang engines whose every weight load takes ``seconds``, behind a router."""
+    cluster = await start_cluster([SGLANG_DP, SGLANG_DP])
+    for server in cluster.servers:
+        server.weights.update_time = seconds
+    return cluster, await start_router(RouterConfig(workers=workers(*cluster.urls)))
 
 
 async def test_miles_calls_succeed_against_a_router_started_as_a_framework_starts_it(
@@ -199,10 +210,7 @@ async def test_a_paused_worker_gets_no_new_request_while_another_can_serve(
 async def test_a_weight_update_is_one_at_a_time_and_a_second_gets_409(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    cluster = await start_cluster([SGLANG_DP, SGLANG_DP])
-    for server in cluster.servers:
-        server.weights.update_time = 0.5
-    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    cluster, router = await slow_loads(start_cluster, start_router, 0.5)
     body = {"model_path": "m", "weight_version": "3"}
     first = asyncio.create_task(http.post(router.url + "/update_weights_from_disk", json=body))
     assert await until(lambda: router.registry.workers["w0"].held == "updating its weights")
@@ -403,10 +411,7 @@ async def test_pd_engines_register_by_worker_type_and_join_their_pools(
 async def test_a_command_runs_to_its_end_when_its_client_leaves(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    cluster = await start_cluster([SGLANG_DP, SGLANG_DP])
-    for server in cluster.servers:
-        server.weights.update_time = 0.5
-    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    cluster, router = await slow_loads(start_cluster, start_router, 0.5)
     body = {"model_path": "m", "weight_version": "11"}
     quick = aiohttp.ClientTimeout(total=0.1)
     with pytest.raises(TimeoutError):
@@ -423,10 +428,7 @@ async def test_updates_to_different_workers_run_side_by_side(
 ) -> None:
     """miles sends init_weights_update_group to each engine with its own rank_offset, at
     once: the lock is per worker, and a fleet-wide update meanwhile is refused."""
-    cluster = await start_cluster([SGLANG_DP, SGLANG_DP])
-    for server in cluster.servers:
-        server.weights.update_time = 0.4
-    router = await start_router(RouterConfig(workers=workers(*cluster.urls)))
+    _, router = await slow_loads(start_cluster, start_router, 0.4)
 
     async def update(worker: str) -> int:
         body = {"model_path": "m", "weight_version": "2"}

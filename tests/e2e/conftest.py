@@ -3,14 +3,29 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from e2e.sglang import server as sglang_server
 
-from e2e import vllm_server  # beside prepare.sh, not part of the installed package
+from e2e import beside, vllm_server  # beside prepare.sh, not part of the installed package
 
 SUMMARY: list[str] = []  # lines printed at the end of the run: what really happened
+
+
+async def installs_beside(engine: str, python: Path, home: Path, url: str) -> None:
+    """``pip install`` of dprouter into an engine's own environment (where an RL framework
+    imports it) changes none of its packages and adds no problem to ``pip check``; a
+    ``Router`` run from there routes to the engine's 2 ranks at ``url``."""
+    done = await asyncio.to_thread(beside.install, python)
+    assert done.changed == {}, done.changed
+    assert done.new_problems == [], done.new_problems
+    answer = await asyncio.to_thread(beside.embedded, python, url)
+    assert str(answer["imported_from"]).startswith(str(home))
+    assert (answer["status"], answer["ranks"]) == (200, 2)
+    SUMMARY.append(f"dprouter beside {engine}: added {sorted(done.added)}, changed nothing")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

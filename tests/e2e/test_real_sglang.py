@@ -22,9 +22,8 @@ from e2e.sglang.server import SglangServer
 from dprouter.config import RouterConfig
 from dprouter.fleet import engine_load
 from dprouter.fleet.worker_spec import WorkerSpec
-from e2e import beside
 from tests.conftest import StartRouter, until
-from tests.e2e.conftest import SUMMARY
+from tests.e2e.conftest import SUMMARY, installs_beside
 
 # an SGLang server takes about a minute to start on two cores
 pytestmark = [pytest.mark.realsglang, pytest.mark.timeout(600)]
@@ -349,14 +348,6 @@ async def test_the_engine_killed_mid_run_then_restarted(
 async def test_dprouter_installs_beside_sglang_and_routes_from_there(
     sglang_dp2: SglangServer,
 ) -> None:
-    """``pip install`` of dprouter into SGLang's own environment (where an RL framework
-    imports it) changes none of SGLang's packages and adds no problem to ``pip check``;
-    a ``Router`` run from there routes to the engine's ranks."""
-    python = sglang_server.venv_python()
-    done = await asyncio.to_thread(beside.install, python)
-    assert done.changed == {}, done.changed
-    assert done.new_problems == [], done.new_problems
-    answer = await asyncio.to_thread(beside.embedded, python, sglang_dp2.url)
-    assert str(answer["imported_from"]).startswith(str(sglang_server.home()))
-    assert (answer["status"], answer["ranks"]) == (200, 2)
-    SUMMARY.append(f"dprouter beside SGLang: added {sorted(done.added)}, changed nothing")
+    """dprouter installed into SGLang's own environment changes nothing there and routes."""
+    python, home = sglang_server.venv_python(), sglang_server.home()
+    await installs_beside("SGLang", python, home, sglang_dp2.url)

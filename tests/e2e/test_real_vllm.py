@@ -16,9 +16,9 @@ from dprouter.config import RouterConfig
 from dprouter.fleet import engine_load
 from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import WorkerSpec
-from e2e import beside, vllm_server
+from e2e import vllm_server
 from tests.conftest import StartRouter, until
-from tests.e2e.conftest import SUMMARY
+from tests.e2e.conftest import SUMMARY, installs_beside
 
 # a vLLM server takes a minute or more to start on two cores
 pytestmark = [pytest.mark.realvllm, pytest.mark.timeout(600)]
@@ -381,14 +381,6 @@ async def test_the_engine_killed_mid_run_then_restarted(
 async def test_dprouter_installs_beside_vllm_and_routes_from_there(
     vllm_dp2: vllm_server.VllmServer,
 ) -> None:
-    """``pip install`` of dprouter into vLLM's own environment (where an RL framework
-    imports it) changes none of vLLM's packages and adds no problem to ``pip check``;
-    a ``Router`` run from there routes to the engine's ranks."""
-    python = vllm_server.venv_python()
-    done = await asyncio.to_thread(beside.install, python)
-    assert done.changed == {}, done.changed
-    assert done.new_problems == [], done.new_problems
-    answer = await asyncio.to_thread(beside.embedded, python, vllm_dp2.url)
-    assert str(answer["imported_from"]).startswith(str(vllm_server.home()))
-    assert (answer["status"], answer["ranks"]) == (200, 2)
-    SUMMARY.append(f"dprouter beside vLLM: added {sorted(done.added)}, changed nothing")
+    """dprouter installed into vLLM's own environment changes nothing there and routes."""
+    python, home = vllm_server.venv_python(), vllm_server.home()
+    await installs_beside("vLLM", python, home, vllm_dp2.url)
