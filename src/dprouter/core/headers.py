@@ -26,6 +26,9 @@ HOP_BY_HOP = frozenset(
         "expect",  # 100-continue is between the client and the router, which reads the body
     }
 )
+# a body the router wrote is JSON whatever the client's said (curl's default is a form:
+# real SGLang refuses JSON sent as one, "Input should be a dictionary")
+JSON_TYPE = {"Content-Type": "application/json"}
 TARGET_HEADER = "x-dprouter-target"  # on every answer: the target that made it
 PREFILL_HEADER = "x-dprouter-prefill"  # on a P/D answer: the prefill target
 # asked by a request (latest, N or >=N) and, on every answer, the weights that served it

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from dprouter.core.errors import Failed, UpstreamBroke, error
+from dprouter.core.headers import JSON_TYPE
 from dprouter.core.types import DialectName, Incoming, Kind
 from dprouter.engines import dialects
 from dprouter.engines.kvevents.lookup import Lookup
@@ -157,6 +158,7 @@ class Proxy:
             data: bytes | Upload = client.raw if client.upload is None else client.upload
         elif dialects.write_rank(dialect, target.rank, sent, body) or client.changed or named:
             data = orjson.dumps(body)
+            sent.update(JSON_TYPE)
         else:
             data = client.raw  # untouched: forward the client's bytes as they came
         with p.aborter.on_cancel(target.worker, rid):

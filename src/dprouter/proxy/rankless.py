@@ -18,7 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from dprouter.core.errors import Failed, UpstreamBroke, error
-from dprouter.core.headers import TARGET_HEADER
+from dprouter.core.headers import JSON_TYPE, TARGET_HEADER
 from dprouter.core.types import DialectName, Kind
 from dprouter.engines import dialects
 from dprouter.fleet.targets import Target, Worker
@@ -50,7 +50,11 @@ class Rankless:
             if isinstance(client, web.Response):
                 return client
             model, headers = client.incoming.model, client.headers
-            data = orjson.dumps(client.incoming.body) if client.changed else client.raw
+            if client.changed:
+                data, headers = orjson.dumps(client.incoming.body), client.headers.copy()
+                headers.update(JSON_TYPE)
+            else:
+                data = client.raw
         pools = await wait_pools(
             request, p.registry, p.metrics, ("regular",), model, p.config.hold_wait, dialect
         )
