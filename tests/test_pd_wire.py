@@ -128,3 +128,37 @@ def test_sglang_batches_get_a_room_per_item() -> None:
     assert isinstance(rooms, list) and len(rooms) == 3 and len(set(rooms)) == 3
     assert all(room % 4 == 3 for room in rooms)
     assert len(pd_wire.sglang_rooms({"input_ids": [[1, 2], [3]]}, p, rng)) == 2  # type: ignore[arg-type]
+
+
+def test_mooncake_legs_meet_on_the_transfer_id_and_the_prefill_ends_by_length() -> None:
+    """vLLM 0.32's Mooncake prefill keeps the KV only for a request capped by length: an
+    EOS or a stop string as its one token would free it before the decode pulls."""
+    client = {**CLIENT, "stop": ["\n"], "stop_token_ids": [2]}
+    pre = pd_wire.mooncake_prefill(client, "tx-1")
+    assert (pre["max_tokens"], pre["stream"], pre["ignore_eos"]) == (1, False, True)
+    assert "stop" not in pre and "stop_token_ids" not in pre
+    assert pre["kv_transfer_params"]["do_remote_decode"] is True
+    assert pre["kv_transfer_params"]["transfer_id"] == "tx-1"
+    p = target("prefill", 2, 2, 1)
+    bootstrap = pd_wire.mooncake_bootstrap(p)
+    assert bootstrap == "http://10.0.0.3:8998"  # vLLM's default port
+    p.worker.bootstrap_port = 9100
+    assert pd_wire.mooncake_bootstrap(p) == "http://10.0.0.3:9100"
+    dec = pd_wire.mooncake_decode(client, "tx-1", "e_dp1", bootstrap)
+    assert dec["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "e_dp1",
+        "remote_bootstrap_addr": bootstrap,
+        "transfer_id": "tx-1",
+    }
+    assert (dec["max_tokens"], dec["stop"]) == (8, ["\n"])  # the decode runs the client's
+
+
+def test_mooncake_bootstrap_answers_are_read_strictly() -> None:
+    listed = {"0": {"engine_id": "a", "worker_addr": {}}, "1": {"engine_id": "b"}}
+    assert pd_wire.mooncake_engines(listed) == {0: "a", 1: "b"}
+    bad_ones: list[Any] = [[], {"x": {"engine_id": "a"}}, {"0": {"engine_id": 7}}, {"0": "a"}]
+    for bad in bad_ones:
+        with pytest.raises(ValueError, match=r"not a map|engine_id"):
+            pd_wire.mooncake_engines(bad)

@@ -48,6 +48,14 @@ SHAPES: dict[str, tuple[Shape, Shape]] = {
 }
 
 
+MOONCAKE: PdMode = "vllm-mooncake"
+
+
+def port(server: SimServer) -> int | None:
+    """A simulated prefill's bootstrap port."""
+    return None if server.pd is None else server.pd.bootstrap_port
+
+
 @dataclass
 class Deployment:
     router: Router
@@ -89,7 +97,11 @@ async def deploy(
     cluster = await start_cluster(configs)
     prefills, decodes = cluster.servers[: p[0]], cluster.servers[p[0] :]
     if mode != "vllm-moriio":
-        specs = [WorkerSpec(s.url, role="prefill") for s in prefills]
+        # vLLM does not say where its Mooncake bootstrap server listens: it is configured
+        specs = [
+            WorkerSpec(s.url, role="prefill", bootstrap_port=port(s) if mode == MOONCAKE else None)
+            for s in prefills
+        ]
         specs += [WorkerSpec(s.url, role="decode") for s in decodes]
         r = await start_router(RouterConfig(pd=mode, workers=tuple(specs), **router))
     for _ in range(200):
@@ -117,7 +129,7 @@ def ranks(servers: list[SimServer]) -> Counter[tuple[str, int | None]]:
     return Counter((s.engine_id, rec.rank) for s in servers for rec in s.received)
 
 
-@pytest.mark.parametrize("mode", ["vllm-nixl", "vllm-moriio", "sglang"])
+@pytest.mark.parametrize("mode", ["vllm-nixl", "vllm-mooncake", "vllm-moriio", "sglang"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 async def test_every_slot_of_each_role_is_covered_evenly(
     start_cluster: StartCluster,
@@ -598,3 +610,63 @@ async def test_a_trusted_rank_on_single_rank_workers_is_served_as_on_the_plain_p
     async with http.post(router.url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
         assert r.headers["x-dprouter-target"] == "w0"
+
+
+async def test_mooncake_decode_pulls_from_the_prefill_rank_that_ran(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The router makes the transfer id and names the engine of the rank it sent the
+    prefill to, as the prefill's bootstrap server lists it; the simulated decode finds it
+    there and pulls the KV (it fails the request otherwise)."""
+    dep = await deploy(start_cluster, start_router, MOONCAKE, (1, 2), (1, 2))
+    await served(http, dep.router.url, 8)
+    prefill = dep.prefills[0]
+    by_id = {rec.body["kv_transfer_params"]["transfer_id"]: rec for rec in prefill.received}
+    assert len(by_id) == 8 and Counter(rec.rank for rec in prefill.received) == {0: 4, 1: 4}
+    for rec in dep.decodes[0].received:
+        kv = rec.body["kv_transfer_params"]
+        ran = by_id[kv["transfer_id"]].rank
+        assert kv["remote_engine_id"] == f"{prefill.engine_id}_dp{ran}"
+        assert kv["remote_bootstrap_addr"] == f"http://127.0.0.1:{port(prefill)}"
+        assert by_id[kv["transfer_id"]].body["ignore_eos"] is True
+
+
+async def test_a_mooncake_prefill_whose_bootstrap_server_is_silent_is_passed_over(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    unused_tcp_port: int,
+) -> None:
+    configs = [engine(MOONCAKE, "prefill", 1), engine(MOONCAKE, "prefill", 1)]
+    cluster = await start_cluster([*configs, engine(MOONCAKE, "decode", 1)])
+    p0, p1, d = cluster.servers
+    specs = (
+        WorkerSpec(p0.url, role="prefill", bootstrap_port=unused_tcp_port),  # nobody there
+        WorkerSpec(p1.url, role="prefill", bootstrap_port=port(p1)),
+        WorkerSpec(d.url, role="decode"),
+    )
+    router = await start_router(RouterConfig(pd=MOONCAKE, workers=specs))
+    pairs = await served(http, router.url, 4)
+    assert {p for p, _ in pairs} == {"p1"}
+    assert not p0.received  # never sent: its engine id could not be known
+    errors = await metric_sum(http, router.url, "dprouter_upstream_errors_total")
+    assert errors >= 1
+
+
+async def test_a_body_the_router_rewrote_goes_as_json_whatever_the_client_said(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """curl's default type is a form; a real SGLang refuses JSON sent as one ("Input should
+    be a dictionary"). A body the router writes (each P/D leg; a rank in a plain body) is
+    labelled JSON."""
+    dep = await deploy(start_cluster, start_router, "sglang", (1, 2), (1, 2))
+    plain = (await start_cluster([EngineConfig(persona="sglang", dp_size=2)])).servers[0]
+    router = await start_router(RouterConfig(workers=(WorkerSpec(plain.url),)))
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    raw = b'{"text": "hello", "sampling_params": {"max_new_tokens": 2}}'
+    for url in (dep.router.url, router.url):
+        async with http.post(url + "/generate", data=raw, headers=form) as r:
+            assert r.status == 200, await r.text()
+    received = [*dep.prefills[0].received, *dep.decodes[0].received, *plain.received]
+    assert len(received) == 3
+    assert {rec.headers["Content-Type"] for rec in received} == {"application/json"}

@@ -264,7 +264,7 @@ def validate(config: RouterConfig) -> RouterConfig:
             raise ConfigError(f"unknown {name} {chosen!r}; choose one of {', '.join(POLICIES)}")
     if config.pd is not None and config.pd not in PD_MODES:
         raise ConfigError(f"--pd must be one of {', '.join(PD_MODES)}, got {config.pd!r}")
-    if config.pd in ("sglang", "vllm-moriio") and config.dp_aware == "off":
+    if config.pd in ("sglang", "vllm-moriio", "vllm-mooncake") and config.dp_aware == "off":
         raise ConfigError(
             f"--pd {config.pd} tells the decode which prefill rank holds the KV, so the router "
             "must choose that rank: drop --dp-aware off"

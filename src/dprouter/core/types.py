@@ -14,8 +14,9 @@ Role = Literal["regular", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("regular", "prefill", "decode")
 Side = Literal["prefill", "decode"]  # the two legs of a P/D request
 DialectName = Literal["vllm", "sglang"]
-PdMode = Literal["vllm-nixl", "vllm-moriio", "sglang"]  # a P/D flow, chosen at start-up
-PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-moriio", "sglang")
+# a P/D flow, chosen at start-up
+PdMode = Literal["vllm-nixl", "vllm-mooncake", "vllm-moriio", "sglang"]
+PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-mooncake", "vllm-moriio", "sglang")
 DpAware = Literal["auto", "off"]
 # how a request's body is read: each endpoint names one (see server/endpoints.py)
 Kind = Literal["completion", "chat", "generate", "pooling", "tokenizer", "responses", "audio"]

@@ -2,6 +2,10 @@
 
 vLLM NIXL: the prefill asks for remote decode and stops after one token; its
 answer's ``kv_transfer_params`` go into the decode request unchanged.
+vLLM Mooncake: both requests carry a ``transfer_id`` the router makes; the decode
+is told the prefill rank's engine id (from the prefill's bootstrap server, ``GET
+/query``) and that server's address, and pulls the KV itself: the prefill answers
+nothing the decode needs, so both go at once.
 vLLM MoRIIO: both requests carry a ``transfer_id`` and each side's shape;
 ``X-Request-Id`` names both peers' ZMQ addresses; READ copies the prefill's
 block ids into the decode request, WRITE sends both at once.
@@ -23,7 +27,12 @@ from dprouter.fleet.targets import Target
 
 ONE_TOKEN = ("max_tokens", "max_completion_tokens")
 PREFILL_DROPS = ("stream_options", "min_tokens")
+# Mooncake's and MoRIIO's prefill keep the KV for the decode only when the one token
+# ended by length (vLLM 0.32: ``request_finished``, FINISHED_LENGTH_CAPPED); an EOS or a
+# stop string as the first token would free it, and the decode would find nothing
+BY_LENGTH_DROPS = ("stop", "stop_token_ids")
 ROOM_BITS = 63
+MOONCAKE_BOOTSTRAP_PORT = 8998  # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default
 
 
 def _prefill(body: dict[str, Any], **kv: Any) -> dict[str, Any]:
@@ -43,6 +52,13 @@ def _prefill(body: dict[str, Any], **kv: Any) -> dict[str, Any]:
     return out
 
 
+def _by_length(prefill: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg, made to end by length whatever its first token is."""
+    out = {k: v for k, v in prefill.items() if k not in BY_LENGTH_DROPS}
+    out["ignore_eos"] = True
+    return out
+
+
 def nixl_prefill(body: dict[str, Any]) -> dict[str, Any]:
     return _prefill(body, remote_host=None, remote_port=None)
 
@@ -59,11 +75,13 @@ def moriio_request_id(prefill: Target, decode: Target) -> str:
 
 
 def moriio_prefill(body: dict[str, Any], transfer_id: str, decode: Target) -> dict[str, Any]:
-    return _prefill(
-        body,
-        transfer_id=transfer_id,
-        remote_dp_size=decode.worker.ranks,
-        remote_tp_size=decode.worker.tp_size or 1,
+    return _by_length(
+        _prefill(
+            body,
+            transfer_id=transfer_id,
+            remote_dp_size=decode.worker.ranks,
+            remote_tp_size=decode.worker.tp_size or 1,
+        )
     )
 
 
@@ -88,6 +106,45 @@ def moriio_decode(
             if name in prefill_kv:
                 kv[name] = prefill_kv[name]
     out["kv_transfer_params"] = kv
+    return out
+
+
+def mooncake_prefill(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    return _by_length(_prefill(body, transfer_id=transfer_id))
+
+
+def mooncake_decode(
+    body: dict[str, Any], transfer_id: str, engine_id: str, bootstrap: str
+) -> dict[str, Any]:
+    """The client's body, told whose KV to pull (``engine_id``, the prefill rank's) and
+    where that engine's workers are listed (``bootstrap``: ``http://HOST:PORT``)."""
+    kv = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_bootstrap_addr": bootstrap,
+        "transfer_id": transfer_id,
+    }
+    return {**body, "kv_transfer_params": kv}
+
+
+def mooncake_bootstrap(prefill: Target) -> str:
+    """The prefill's bootstrap server: its host, its bootstrap port (vLLM's default)."""
+    port = prefill.worker.bootstrap_port or MOONCAKE_BOOTSTRAP_PORT
+    return str(URL.build(scheme="http", host=URL(prefill.worker.url).host or "", port=port))
+
+
+def mooncake_engines(query: Any) -> dict[int, str]:
+    """``GET /query`` of a Mooncake bootstrap server, ``{"<dp rank>": {"engine_id": E,
+    "worker_addr": ...}}``, as ``{rank: E}``; ValueError when it is not that."""
+    if not isinstance(query, dict):
+        raise ValueError(f"not a map of ranks: {str(query)[:80]}")
+    out: dict[int, str] = {}
+    for rank, entry in query.items():
+        engine = entry.get("engine_id") if isinstance(entry, dict) else None
+        if not (isinstance(rank, str) and rank.isdigit() and isinstance(engine, str)):
+            raise ValueError(f"rank {rank!r} has no engine_id: {str(entry)[:80]}")
+        out[int(rank)] = engine
     return out
 
 

@@ -158,7 +158,7 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
     type=click.IntRange(0, 65535),
     default=0,
     show_default=True,
-    help="SGLang prefill: first engine's bootstrap port (0: any free port).",
+    help="SGLang and vLLM Mooncake prefill: first engine's bootstrap port (0: any free port).",
 )
 @click.option(
     "--kv-wait",

@@ -27,6 +27,7 @@ from dprouter.proxy.output_budget import learn
 from dprouter.proxy.parts import ProxyParts
 from dprouter.proxy.pd import moriio, nixl, sglang
 from dprouter.proxy.pd.call import Call
+from dprouter.proxy.pd.mooncake import Mooncake
 from dprouter.proxy.pd.pairing import Pairing
 from dprouter.proxy.pools import Pools, wait_pools
 from dprouter.proxy.read import read_request
@@ -54,6 +55,7 @@ class PairProxy:
         config = parts.config
         flows: dict[str, Flow] = {
             "vllm-nixl": nixl.run,
+            "vllm-mooncake": Mooncake().run,
             "vllm-moriio": moriio.run,
             "sglang": partial(sglang.run, rng=random.Random(config.seed)),
         }

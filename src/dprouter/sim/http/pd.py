@@ -11,6 +11,11 @@ Keys and where the decode learns them:
 - vLLM NIXL: the prefill request id; ``kv_transfer_params`` carry ``remote_host``,
   ``remote_port``, ``remote_engine_id`` (``<engine>_dp<rank>``, as vLLM names each DP
   rank's engine core) and it; ``remote_block_ids`` one list per KV-cache group.
+- vLLM Mooncake: ``transfer_id``, which the router makes (a prefill without one keeps
+  nothing: vLLM 0.32 logs "Missing transfer_id" and its decode recomputes the prompt; the
+  simulated prefill refuses it, so that the mistake shows). The decode is told
+  ``remote_engine_id`` and ``remote_bootstrap_addr``, asks that server's ``GET /query``
+  for the engine's rank and worker address, and pulls from there.
 - vLLM MoRIIO: ``transfer_id``; the prefill address is in ``X-Request-Id``
   (``___prefill_addr_<zmq>___decode_addr_<zmq>_<uuid>``), the rank in
   ``remote_dp_rank``.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -46,6 +51,7 @@ class Ticket:
     rank: int | None
     engine: str | None
     claims: dict[str, object] = field(default_factory=dict)  # checked against the prefill's
+    bootstrap: str | None = None  # Mooncake: where ``url`` and ``rank`` are found (``/query``)
 
 
 def zmq_host_port(address: str) -> tuple[str, int]:
@@ -134,6 +140,19 @@ def decode_ticket(
             None,
             str(kv["remote_engine_id"]),
         )
+    if pd.mode == "vllm-mooncake":
+        kv = _kv(body)
+        if kv.get("do_remote_prefill") is not True:
+            raise PdError("kv_transfer_params must ask for do_remote_prefill")
+        # what vLLM 0.32's Mooncake scheduler needs, else it recomputes the prompt
+        _need(kv, "remote_engine_id", "remote_bootstrap_addr", "transfer_id")
+        return Ticket(
+            "",
+            str(kv["transfer_id"]),
+            None,
+            str(kv["remote_engine_id"]),
+            bootstrap=str(kv["remote_bootstrap_addr"]),
+        )
     if pd.mode == "vllm-moriio":
         kv = _kv(body)
         _need(kv, "transfer_id", "remote_dp_rank", "remote_dp_size", "remote_tp_size")
@@ -196,10 +215,11 @@ def prefill_key(pd: PdConfig, body: Mapping[str, Any], rid: str) -> str:
     """The key the prefill engine keeps its KV under."""
     if pd.mode == "vllm-nixl":
         return rid
-    if pd.mode == "vllm-moriio":
+    if pd.mode in ("vllm-moriio", "vllm-mooncake"):
         kv = body.get("kv_transfer_params")
         if not isinstance(kv, dict) or not kv.get("transfer_id"):
-            raise PdError("a MoRIIO prefill needs kv_transfer_params.transfer_id")
+            flow = "MoRIIO" if pd.mode == "vllm-moriio" else "Mooncake"
+            raise PdError(f"a {flow} prefill needs kv_transfer_params.transfer_id")
         return str(kv["transfer_id"])
     room = body.get("bootstrap_room")
     if not isinstance(room, int) or isinstance(room, bool):
@@ -239,11 +259,43 @@ def prefill_answer(
         }
     if pd.mode == "vllm-moriio":
         return {**common, "transfer_id": key}
-    return None
+    return None  # SGLang, and vLLM's Mooncake prefill (``kv_transfer_params: null``)
+
+
+def mooncake_query(store: KvStore, host: str, port: int) -> dict[str, Any]:
+    """A Mooncake bootstrap server's ``GET /query``: each DP rank's engine id and its
+    workers' addresses by TP and PP rank (the simulated transfer runs over HTTP, so the
+    address is the engine's HTTP address)."""
+    return {
+        str(rank): {
+            "engine_id": store.engine_name(rank),
+            "worker_addr": {"0": {"0": f"{host}:{port}"}},
+        }
+        for rank in range(store.dp_size)
+    }
+
+
+async def _locate(session: aiohttp.ClientSession, ticket: Ticket) -> Ticket:
+    """Mooncake: the ticket's engine found on its bootstrap server, as vLLM's decode does."""
+    assert ticket.bootstrap is not None
+    try:
+        async with session.get(ticket.bootstrap + "/query") as r:
+            listed = await r.json() if r.status == 200 else {}
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise PdError(f"cannot reach the bootstrap server {ticket.bootstrap}: {exc}") from None
+    for rank, entry in listed.items() if isinstance(listed, dict) else ():
+        if isinstance(entry, dict) and entry.get("engine_id") == ticket.engine:
+            host, _, port = str(entry["worker_addr"]["0"]["0"]).rpartition(":")
+            return replace(ticket, url=_url(host, int(port)), rank=int(rank))
+    raise PdError(
+        f"remote engine_id {ticket.engine} not found from bootstrap server {ticket.bootstrap}"
+    )
 
 
 async def take(session: aiohttp.ClientSession, ticket: Ticket, digest: int, wait: float) -> int:
     """Take the KV from the prefill engine; returns its prompt tokens or raises PdError."""
+    if ticket.bootstrap is not None:
+        ticket = await _locate(session, ticket)
     payload = {
         "key": ticket.key,
         "rank": ticket.rank,

@@ -1,6 +1,6 @@
 """What a P/D engine runs beside its HTTP face: the KV store and take endpoint
-(prefill), a client to take KV with (decode), SGLang's bootstrap listener and
-MoRIIO's registration heartbeats."""
+(prefill), a client to take KV with (decode), SGLang's and Mooncake's bootstrap
+listeners and MoRIIO's registration heartbeats."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from aiohttp import web
 
 from dprouter.core.net import bind
 from dprouter.sim.http.kvstore import KvStore
-from dprouter.sim.http.pd import prefill_answer
+from dprouter.sim.http.pd import mooncake_query, prefill_answer
 from dprouter.sim.model.config import PdConfig
 from dprouter.sim.model.request import SimRequest
 from dprouter.sim.model.tokens import prompt_digest
@@ -44,9 +44,11 @@ class PdSide:
     async def start(self) -> None:
         self.store = KvStore(self.server.engine_id, self.server.config.dp_size)  # a fresh process
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
-        if self.pd.mode == "sglang" and self.pd.role == "prefill":
+        if self.pd.mode in ("sglang", "vllm-mooncake") and self.pd.role == "prefill":
             app = web.Application()
             app.add_routes(self.routes())
+            if self.pd.mode == "vllm-mooncake":
+                app.add_routes([web.get("/query", self.query)])
             self._bootstrap = web.AppRunner(app, access_log=None)
             await self._bootstrap.setup()
             sock = bind(self.server.host, self.bootstrap_port or self.pd.bootstrap_port)
@@ -83,6 +85,10 @@ class PdSide:
             req.prompt_len,
             c.tp_size,
         )
+
+    async def query(self, request: web.Request) -> web.Response:
+        """Mooncake's bootstrap server: this engine's ranks and where to pull from."""
+        return web.json_response(mooncake_query(self.store, self.server.host, self.server.port))
 
     async def take(self, request: web.Request) -> web.Response:
         try:

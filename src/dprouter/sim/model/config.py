@@ -115,7 +115,7 @@ class PdConfig:
     transfer_mode: Literal["READ", "WRITE"] = "READ"  # MoRIIO
     registration: str | None = None  # MoRIIO: where to send registration heartbeats
     heartbeat: float = 3.0  # MoRIIO: seconds between heartbeats
-    bootstrap_port: int = 0  # SGLang prefill: the bootstrap listener (0: any free port)
+    bootstrap_port: int = 0  # SGLang, Mooncake prefill: the bootstrap listener (0: any port)
     kv_wait: float = 5.0  # decode: wall seconds to wait for the KV to be produced
 
     def __post_init__(self) -> None:
