@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint slow e2e e2e-vllm e2e-sglang clean
+.PHONY: demo test lint slow e2e e2e-vllm e2e-sglang e2e-pd clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,14 +16,14 @@ demo: $(VENV)/.installed
 	$(BIN)/dprouter demo
 
 test: $(VENV)/.installed
-	$(BIN)/pytest -m "not slow and not realvllm and not realsglang"
+	$(BIN)/pytest -m "not slow and not realvllm and not realsglang and not realpd"
 
 slow: $(VENV)/.installed
 	$(BIN)/pytest -m slow
 
 # dprouter against real engines on the CPU (tiny local models): each prepares its own
 # environment first (a separate venv, about 3 minutes each the first time)
-e2e: e2e-vllm e2e-sglang
+e2e: e2e-vllm e2e-sglang e2e-pd
 
 e2e-vllm: $(VENV)/.installed
 	bash e2e/prepare.sh
@@ -32,6 +32,11 @@ e2e-vllm: $(VENV)/.installed
 e2e-sglang: $(VENV)/.installed
 	bash e2e/sglang/prepare.sh
 	$(BIN)/pytest -m realsglang
+
+# prefill/decode pairs of both engines, the KV moving over Mooncake's TCP transport
+e2e-pd: $(VENV)/.installed
+	bash e2e/pd/prepare.sh
+	$(BIN)/pytest -m realpd
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

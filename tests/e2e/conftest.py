@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e.pd import pair as pd_pair
 from e2e.sglang import server as sglang_server
 
 from e2e import beside, vllm_server  # beside prepare.sh, not part of the installed package
@@ -29,7 +30,11 @@ async def installs_beside(engine: str, python: Path, home: Path, url: str) -> No
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reasons = {"realvllm": vllm_server.available(), "realsglang": sglang_server.available()}
+    reasons = {
+        "realvllm": vllm_server.available(),
+        "realsglang": sglang_server.available(),
+        "realpd": pd_pair.available(),
+    }
     for item in items:
         for marker, reason in reasons.items():
             if marker in item.keywords and reason is not None:
