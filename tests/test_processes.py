@@ -345,7 +345,7 @@ async def test_every_process_counts_a_request_by_the_lengths_all_of_them_saw_fin
         assert await until(lambda: in_flight(sup) == 0, seconds=10)
 
 
-@pytest.mark.parametrize("mode", ["vllm-nixl", "sglang"])
+@pytest.mark.parametrize("mode", ["vllm-nixl", "vllm-mooncake", "sglang"])
 async def test_pd_flows_run_through_both_processes(
     start_cluster: StartCluster, start_processes: StartProcesses, mode: PdMode
 ) -> None:
@@ -354,7 +354,12 @@ async def test_pd_flows_run_through_both_processes(
         [EngineConfig(persona=pd.persona, dp_size=2, pd=pd) for pd in roles]
     )
     prefill, decode = cluster.servers
-    specs = (WorkerSpec(prefill.url, role="prefill"), WorkerSpec(decode.url, role="decode"))
+    assert prefill.pd is not None
+    port = prefill.pd.bootstrap_port if mode == "vllm-mooncake" else None  # vLLM does not say
+    specs = (
+        WorkerSpec(prefill.url, role="prefill", bootstrap_port=port),
+        WorkerSpec(decode.url, role="decode"),
+    )
     sup = await start_processes(RouterConfig(pd=mode, workers=specs))
 
     pairs = await asyncio.gather(*(pair(sup.url, i) for i in range(16)))
