@@ -49,7 +49,7 @@ The vLLM fix (vLLM CPU 0.32.0):
    which raises "Cannot access accelerator device when none is available" on
    the CPU.  Use device 0 when there is no accelerator.
 
-Fixes 5 and 6 matter to the real P/D group only (tests/e2e/test_real_pd.py) and
+Fixes 5 and 6 matter to the real P/D group only (tests/e2e/test_real_pd_*.py) and
 touch no other path.
 """
 

@@ -631,6 +631,35 @@ async def test_mooncake_decode_pulls_from_the_prefill_rank_that_ran(
         assert by_id[kv["transfer_id"]].body["ignore_eos"] is True
 
 
+async def test_mooncake_engine_ids_are_asked_once_and_again_after_a_failure(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The engine ids are asked once and kept; a failed pair drops them (a restarted vLLM
+    has new engine ids), so the next pair asks again."""
+    configs = [engine(MOONCAKE, "prefill", 2, kv_wait=2.0)]
+    configs += [engine(MOONCAKE, "decode", 1, kv_wait=2.0)] * 2
+    configs[2] = replace(configs[2], faults=Faults(fail_rate=1.0))
+    prefill, good, bad = (await start_cluster(configs)).servers
+    specs = (
+        WorkerSpec(prefill.url, role="prefill", bootstrap_port=port(prefill)),
+        WorkerSpec(good.url, role="decode"),
+    )
+    router = await start_router(RouterConfig(pd=MOONCAKE, workers=specs))
+    assert prefill.pd is not None
+    await served(http, router.url, 1)
+    assert prefill.pd.queries == 2  # the router and the decode asked, each once...
+    assert all(await asyncio.gather(*(served(http, router.url, 1) for _ in range(6))))
+    assert prefill.pd.queries == 2  # ...and neither again
+    # another router, with a decode that fails every request: its pairs are retried on the
+    # good decode, and each failure sends the next pair to ask the prefill again
+    failing = await start_router(
+        RouterConfig(pd=MOONCAKE, workers=(*specs, WorkerSpec(bad.url, role="decode")))
+    )
+    await served(http, failing.url, 4)
+    assert bad.generation_requests >= 1
+    assert prefill.pd.queries >= 2 + 1 + 1  # as before, this router, and once more
+
+
 async def test_a_mooncake_prefill_whose_bootstrap_server_is_silent_is_passed_over(
     start_cluster: StartCluster,
     start_router: StartRouter,
@@ -653,20 +682,22 @@ async def test_a_mooncake_prefill_whose_bootstrap_server_is_silent_is_passed_ove
     assert errors >= 1
 
 
-async def test_a_body_the_router_rewrote_goes_as_json_whatever_the_client_said(
+async def test_a_body_read_as_json_goes_on_as_json_whatever_type_the_client_said(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     """curl's default type is a form; a real SGLang refuses JSON sent as one ("Input should
-    be a dictionary"). A body the router writes (each P/D leg; a rank in a plain body) is
-    labelled JSON."""
+    be a dictionary"), vLLM too (422). What the router read as JSON it sends as JSON: each
+    P/D leg, a plain body with a rank written in, one it forwards untouched."""
     dep = await deploy(start_cluster, start_router, "sglang", (1, 2), (1, 2))
-    plain = (await start_cluster([EngineConfig(persona="sglang", dp_size=2)])).servers[0]
-    router = await start_router(RouterConfig(workers=(WorkerSpec(plain.url),)))
+    engines = [EngineConfig(persona="sglang", dp_size=2), EngineConfig(persona="vllm")]
+    sglang, vllm = (await start_cluster(engines)).servers
+    plain = [await start_router(RouterConfig(workers=(WorkerSpec(s.url),))) for s in (sglang, vllm)]
     form = {"Content-Type": "application/x-www-form-urlencoded"}
-    raw = b'{"text": "hello", "sampling_params": {"max_new_tokens": 2}}'
-    for url in (dep.router.url, router.url):
-        async with http.post(url + "/generate", data=raw, headers=form) as r:
+    raw = b'{"model": "sim-model", "prompt": "hello", "max_tokens": 2}'
+    for url in (dep.router.url, *(r.url for r in plain)):
+        async with http.post(url + "/v1/completions", data=raw, headers=form) as r:
             assert r.status == 200, await r.text()
-    received = [*dep.prefills[0].received, *dep.decodes[0].received, *plain.received]
-    assert len(received) == 3
+    received = [*dep.prefills[0].received, *dep.decodes[0].received]
+    received += [*sglang.received, *vllm.received]
+    assert len(received) == 4
     assert {rec.headers["Content-Type"] for rec in received} == {"application/json"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sysconfig
 import urllib.request
 from pathlib import Path
 from typing import Any, Literal
@@ -50,7 +51,8 @@ def available() -> str | None:
 def with_mooncake(env: dict[str, str]) -> dict[str, str]:
     """An engine's environment, plus what Mooncake's TCP transport needs."""
     paths = [str(home() / "mooncake"), *filter(None, [env.get("PYTHONPATH")])]
-    libs = [str(home() / "debs" / sub / "x86_64-linux-gnu") for sub in ("usr/lib", "lib")]
+    arch = str(sysconfig.get_config_var("MULTIARCH"))  # x86_64-linux-gnu, aarch64-linux-gnu
+    libs = [str(home() / "debs" / sub / arch) for sub in ("usr/lib", "lib")]
     libs += filter(None, [env.get("LD_LIBRARY_PATH")])
     return {
         **env,
@@ -119,7 +121,7 @@ class VllmPd(vllm_server.VllmServer):
 
     def environment(self, tmp: Path) -> dict[str, str]:
         env = with_mooncake(super().environment(tmp))
-        # the prefill's bootstrap server, and each rank's side channel above it
+        # where the prefill's rank 0 runs its bootstrap server (GET /query)
         env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
         return env
 

@@ -49,8 +49,12 @@ else
 fi
 
 # Step 2: the three libraries its shared objects link against.
-have_libs() { ldconfig -p | grep -q 'libibverbs\.so\.1 ' && ldconfig -p | grep -q 'libnl-route-3\.so\.200 '; }
-debs_key="$(echo "${LIBS[*]}" | sha256sum | cut -d' ' -f1)"
+MULTIARCH="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("MULTIARCH"))')"
+have_libs() {
+    local lib
+    for lib in "${LIBS[@]}"; do dpkg -s "$lib" >/dev/null 2>&1 || return 1; done
+}
+debs_key="$(echo "${LIBS[*]} $MULTIARCH" | sha256sum | cut -d' ' -f1)"
 debs_marker="$PD_HOME/debs/.dprouter-unpacked"
 if have_libs; then
     log "libraries: ${LIBS[*]} installed on the system, nothing to unpack"
@@ -61,7 +65,11 @@ else
     log "libraries: downloading ${LIBS[*]}"
     rm -rf "$PD_HOME/debs" "$PD_HOME/debs.tmp"
     mkdir -p "$PD_HOME/debs.tmp"
-    (cd "$PD_HOME/debs.tmp" && apt-get download "${LIBS[@]}")
+    (cd "$PD_HOME/debs.tmp" && apt-get download "${LIBS[@]}") || {
+        echo "prepare.sh: apt-get download ${LIBS[*]} failed: install them" \
+            "(apt-get install ${LIBS[*]}), or run apt-get update first" >&2
+        exit 1
+    }
     mkdir -p "$PD_HOME/debs"
     for deb in "$PD_HOME"/debs.tmp/*.deb; do dpkg-deb -x "$deb" "$PD_HOME/debs"; done
     rm -rf "$PD_HOME/debs.tmp"
@@ -70,7 +78,7 @@ else
 fi
 
 # Step 3: the transfer engine loads (its libraries found) in both engines' Pythons.
-export LD_LIBRARY_PATH="$PD_HOME/debs/usr/lib/x86_64-linux-gnu:$PD_HOME/debs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$PD_HOME/debs/usr/lib/$MULTIARCH:$PD_HOME/debs/lib/$MULTIARCH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 for python in "$VLLM_PYTHON" "$SGLANG_PYTHON"; do
     PYTHONPATH="$PD_HOME/mooncake" "$python" -c 'from mooncake.engine import TransferEngine; TransferEngine()' \
         || { echo "prepare.sh: Mooncake's transfer engine does not load in $python" >&2; exit 1; }

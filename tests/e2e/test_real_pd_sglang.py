@@ -102,6 +102,11 @@ async def uncached(http: aiohttp.ClientSession, engine: SglangPd) -> dict[int, i
         return {x["dp_rank"]: x["total_prefill_uncached_tokens"] for x in (await r.json())["loads"]}
 
 
+async def decoding(http: aiohttp.ClientSession, engine: SglangPd) -> int:
+    async with http.get(engine.url + "/v1/loads") as r:
+        return sum(rank["num_running_reqs"] for rank in (await r.json())["loads"])
+
+
 async def waiting(http: aiohttp.ClientSession, engine: SglangPd) -> int:
     """Requests an SGLang engine holds, on every rank, in any queue (P/D's included)."""
     async with http.get(engine.url + "/v1/loads") as r:
@@ -249,7 +254,11 @@ async def test_sglang_pd_a_killed_decode_fails_requests_clearly_and_recovers(
         )
         for s in (False, True, False, True)
     ]
-    await asyncio.sleep(3)  # all four decoding
+    for _ in range(300):  # all four decoding (the decode's own count), however slow
+        if (running := await decoding(http, decode)) >= 4:
+            break
+        await asyncio.sleep(0.2)
+    assert running == 4
     decode.kill()
     started = time.monotonic()
     answers = await asyncio.wait_for(asyncio.gather(*long), 60)

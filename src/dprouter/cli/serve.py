@@ -122,7 +122,10 @@ def make_config(
     "prefills",
     multiple=True,
     metavar="URL[,key=value...]",
-    help="A prefill engine (SGLang: bootstrap_port=N unless /server_info says).",
+    help=(
+        "A prefill engine (SGLang: bootstrap_port=N unless /server_info says; "
+        "vLLM Mooncake: bootstrap_port=N unless 8998)."
+    ),
 )
 @click.option(
     "--decode", "decodes", multiple=True, metavar="URL[,key=value...]", help="A decode engine."

@@ -6,7 +6,8 @@ Which headers an engine kind reads (a rank, SGLang's overrides) is the dialects'
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -26,9 +27,9 @@ HOP_BY_HOP = frozenset(
         "expect",  # 100-continue is between the client and the router, which reads the body
     }
 )
-# a body the router wrote is JSON whatever the client's said (curl's default is a form:
-# real SGLang refuses JSON sent as one, "Input should be a dictionary")
-JSON_TYPE = {"Content-Type": "application/json"}
+# a body the router read as JSON goes on as JSON whatever the client's type said (curl's
+# default is a form: real SGLang refuses JSON sent as one, "Input should be a dictionary")
+JSON_TYPE: Mapping[str, str] = MappingProxyType({"Content-Type": "application/json"})
 TARGET_HEADER = "x-dprouter-target"  # on every answer: the target that made it
 PREFILL_HEADER = "x-dprouter-prefill"  # on a P/D answer: the prefill target
 # asked by a request (latest, N or >=N) and, on every answer, the weights that served it

@@ -27,7 +27,7 @@ class Worker:
     dp_size: int | None = None  # None: discover it; explicit wins
     rank_offset: int | None = None  # vLLM hybrid LB: first global rank behind this endpoint
     model: str | None = None  # configured model name, if any
-    bootstrap_port: int | None = None  # SGLang P/D prefill
+    bootstrap_port: int | None = None  # P/D prefill: SGLang's, or vLLM Mooncake's server
     tp_size: int | None = None
     zmq_address: str | None = None  # MoRIIO: "host:IP,handshake:PORT,notify:PORT"
     transfer_mode: str | None = None  # MoRIIO: READ or WRITE

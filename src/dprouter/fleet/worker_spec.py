@@ -39,7 +39,7 @@ class WorkerSpec:
     dp_size: int | None = None
     rank_offset: int | None = None
     model: str | None = None
-    bootstrap_port: int | None = None  # SGLang prefill; None: as /server_info reports it
+    bootstrap_port: int | None = None  # P/D prefill; None: SGLang's /server_info, vLLM's 8998
     tp_size: int | None = None  # P/D peers are told it (MoRIIO); None: as discovered, else 1
     # KV-cache events: tcp://HOST:PORT, rank r publishing on PORT + r (the engines' layout),
     # or auto (vLLM's GET /kv_event_sources says); a replay socket likewise (docs/kv-events.md)

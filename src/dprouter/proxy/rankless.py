@@ -49,12 +49,10 @@ class Rankless:
             client = await read_request(request, kind, p.config, p.metrics)
             if isinstance(client, web.Response):
                 return client
-            model, headers = client.incoming.model, client.headers
-            if client.changed:
-                data, headers = orjson.dumps(client.incoming.body), client.headers.copy()
-                headers.update(JSON_TYPE)
-            else:
-                data = client.raw
+            model, headers = client.incoming.model, client.headers.copy()
+            if not client.form:
+                headers.update(JSON_TYPE)  # read as JSON, so sent as JSON
+            data = orjson.dumps(client.incoming.body) if client.changed else client.raw
         pools = await wait_pools(
             request, p.registry, p.metrics, ("regular",), model, p.config.hold_wait, dialect
         )

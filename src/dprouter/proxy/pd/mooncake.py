@@ -2,15 +2,18 @@
 
 The decode pulls the KV from the engine the router names (``remote_engine_id``), so the
 router must know which engine id each prefill rank has: the prefill's bootstrap server
-lists them (``GET /query``, served by its DP rank 0). They are asked once per prefill
-worker and asked again after ``FRESH`` seconds or after that prefill failed a leg (a
-restarted engine has new ids; a decode given a stale one would recompute the prompt).
+lists them (``GET /query``, served by its DP rank 0). A restarted engine has new ids, and
+a decode given a stale one fails the request (vLLM 0.32's ``kv_load_failure_policy`` is
+``fail`` by default), so the ids are asked once per prefill worker and asked again after
+``FRESH`` seconds or after either leg of a pair with that prefill failed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+import weakref
 
 import aiohttp
 import orjson
@@ -24,28 +27,40 @@ from dprouter.proxy.pd.concurrent import run_both
 
 FRESH = 30.0  # seconds an engine-id list is used before it is asked again
 QUERY_TIMEOUT = aiohttp.ClientTimeout(total=10)
+Engines = dict[int, str]  # a prefill worker's engine id per DP rank
 
 
 class Mooncake:
     """The flow, with what it learnt of each prefill worker's engine ids."""
 
     def __init__(self) -> None:
-        self.engines: dict[Worker, tuple[float, dict[int, str]]] = {}
+        # weak: a worker the fleet dropped takes its entry with it
+        self.engines: weakref.WeakKeyDictionary[Worker, tuple[float, Engines]] = (
+            weakref.WeakKeyDictionary()
+        )
+        # one ask per worker at a time, whoever waits for it
+        self.asking: weakref.WeakKeyDictionary[Worker, asyncio.Task[Engines]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     async def engine_id(self, call: Call, prefill: Target, bootstrap: str) -> str:
-        worker, now = prefill.worker, time.monotonic()
+        worker, rank = prefill.worker, prefill.rank or 0  # a one-rank worker lists rank 0
         known = self.engines.get(worker)
-        if known is None or now - known[0] > FRESH or (prefill.rank or 0) not in known[1]:
-            known = (now, await self.ask(call, prefill, bootstrap))
+        if known is None or time.monotonic() - known[0] > FRESH or rank not in known[1]:
+            task = self.asking.get(worker)
+            if task is None:
+                task = asyncio.create_task(self.ask(call, prefill, bootstrap))
+                self.asking[worker] = task
+                task.add_done_callback(lambda _: self.asking.pop(worker, None))
+            known = (time.monotonic(), await asyncio.shield(task))
             self.engines[worker] = known
-        engine = known[1].get(prefill.rank or 0)
+        engine = known[1].get(rank)
         if engine is None:
-            ranks = sorted(known[1])
-            why = f"{bootstrap}/query lists ranks {ranks}, not {prefill.rank or 0}"
+            why = f"{bootstrap}/query lists ranks {sorted(known[1])}, not {rank}"
             raise Failed(prefill, "no_engine_id", why, "prefill")
         return engine
 
-    async def ask(self, call: Call, prefill: Target, bootstrap: str) -> dict[int, str]:
+    async def ask(self, call: Call, prefill: Target, bootstrap: str) -> Engines:
         session = call.parts.upstream.session
         try:
             async with session.get(bootstrap + "/query", timeout=QUERY_TIMEOUT) as r:
@@ -65,7 +80,8 @@ class Mooncake:
         decode_body = pd_wire.mooncake_decode(call.body, transfer_id, engine, bootstrap)
         try:
             return await run_both(call, prefill, decode, prefill_body, decode_body, {})
-        except Failed as failure:
-            if failure.side == "prefill":
-                self.engines.pop(prefill.worker, None)  # ask again: it may have restarted
+        except Failed:
+            # the prefill may have restarted (a decode pulling from a stale engine id fails
+            # too): ask again before the next pair with it
+            self.engines.pop(prefill.worker, None)
             raise

@@ -175,7 +175,10 @@ class Generation:
             self.early = web.StreamResponse(headers=headers)
             await self.early.prepare(self.request)
         try:
-            await take(self.server.session, ticket, prompt_digest(parsed.prompt_ids), pd.kv_wait)
+            assert self.server.pd is not None
+            located = self.server.pd.located
+            digest = prompt_digest(parsed.prompt_ids)
+            await take(self.server.session, ticket, digest, pd.kv_wait, located)
         except PdError as exc:
             message = f"KV transfer failed: {exc}"
             if self.early is None:

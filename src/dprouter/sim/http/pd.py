@@ -12,8 +12,9 @@ Keys and where the decode learns them:
   ``remote_port``, ``remote_engine_id`` (``<engine>_dp<rank>``, as vLLM names each DP
   rank's engine core) and it; ``remote_block_ids`` one list per KV-cache group.
 - vLLM Mooncake: ``transfer_id``, which the router makes (a prefill without one keeps
-  nothing: vLLM 0.32 logs "Missing transfer_id" and its decode recomputes the prompt; the
-  simulated prefill refuses it, so that the mistake shows). The decode is told
+  nothing: vLLM 0.32 logs "Missing transfer_id" and its decode, finding nothing to pull,
+  fails the request by default (``kv_load_failure_policy``); the simulated prefill
+  refuses it at once, so that the mistake shows where it was made). The decode is told
   ``remote_engine_id`` and ``remote_bootstrap_addr``, asks that server's ``GET /query``
   for the engine's rank and worker address, and pulls from there.
 - vLLM MoRIIO: ``transfer_id``; the prefill address is in ``X-Request-Id``
@@ -275,27 +276,42 @@ def mooncake_query(store: KvStore, host: str, port: int) -> dict[str, Any]:
     }
 
 
-async def _locate(session: aiohttp.ClientSession, ticket: Ticket) -> Ticket:
-    """Mooncake: the ticket's engine found on its bootstrap server, as vLLM's decode does."""
-    assert ticket.bootstrap is not None
-    try:
-        async with session.get(ticket.bootstrap + "/query") as r:
-            listed = await r.json() if r.status == 200 else {}
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise PdError(f"cannot reach the bootstrap server {ticket.bootstrap}: {exc}") from None
-    for rank, entry in listed.items() if isinstance(listed, dict) else ():
-        if isinstance(entry, dict) and entry.get("engine_id") == ticket.engine:
-            host, _, port = str(entry["worker_addr"]["0"]["0"]).rpartition(":")
-            return replace(ticket, url=_url(host, int(port)), rank=int(rank))
-    raise PdError(
-        f"remote engine_id {ticket.engine} not found from bootstrap server {ticket.bootstrap}"
-    )
+Located = dict[str, tuple[str, int]]  # a Mooncake decode's engines found: id -> (url, rank)
 
 
-async def take(session: aiohttp.ClientSession, ticket: Ticket, digest: int, wait: float) -> int:
-    """Take the KV from the prefill engine; returns its prompt tokens or raises PdError."""
+async def _locate(session: aiohttp.ClientSession, ticket: Ticket, found: Located) -> Ticket:
+    """Mooncake: the ticket's engine found on its bootstrap server, as vLLM's decode does:
+    it asks a server it has not asked, or again for an engine it does not know, and keeps
+    every engine the answer lists."""
+    assert ticket.bootstrap is not None and ticket.engine is not None
+    if ticket.engine not in found:
+        try:
+            async with session.get(ticket.bootstrap + "/query") as r:
+                listed = await r.json() if r.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            why = f"cannot reach the bootstrap server {ticket.bootstrap}: {exc}"
+            raise PdError(why) from None
+        for rank, entry in listed.items() if isinstance(listed, dict) else ():
+            try:
+                host, _, port = str(entry["worker_addr"]["0"]["0"]).rpartition(":")
+                found[str(entry["engine_id"])] = (_url(host, int(port)), int(rank))
+            except (KeyError, TypeError, ValueError):
+                raise PdError(f"{ticket.bootstrap}/query lists {entry!r}: no address") from None
+    if ticket.engine not in found:
+        raise PdError(
+            f"remote engine_id {ticket.engine} not found from bootstrap server {ticket.bootstrap}"
+        )
+    url, rank = found[ticket.engine]
+    return replace(ticket, url=url, rank=rank)
+
+
+async def take(
+    session: aiohttp.ClientSession, ticket: Ticket, digest: int, wait: float, found: Located
+) -> int:
+    """Take the KV from the prefill engine; returns its prompt tokens or raises PdError.
+    ``found``: the Mooncake engines this decode located so far."""
     if ticket.bootstrap is not None:
-        ticket = await _locate(session, ticket)
+        ticket = await _locate(session, ticket, found)
     payload = {
         "key": ticket.key,
         "rank": ticket.rank,

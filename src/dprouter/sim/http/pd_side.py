@@ -17,7 +17,7 @@ from aiohttp import web
 
 from dprouter.core.net import bind
 from dprouter.sim.http.kvstore import KvStore
-from dprouter.sim.http.pd import mooncake_query, prefill_answer
+from dprouter.sim.http.pd import Located, mooncake_query, prefill_answer
 from dprouter.sim.model.config import PdConfig
 from dprouter.sim.model.request import SimRequest
 from dprouter.sim.model.tokens import prompt_digest
@@ -35,6 +35,8 @@ class PdSide:
         self.store = KvStore(server.engine_id, server.config.dp_size)
         self.session: aiohttp.ClientSession | None = None
         self.bootstrap_port: int | None = None
+        self.queries = 0  # Mooncake: GET /query answered
+        self.located: Located = {}  # Mooncake decode: the engines its prefills listed
         self._bootstrap: web.AppRunner | None = None
         self._heartbeat: asyncio.Task[None] | None = None
 
@@ -43,6 +45,7 @@ class PdSide:
 
     async def start(self) -> None:
         self.store = KvStore(self.server.engine_id, self.server.config.dp_size)  # a fresh process
+        self.located = {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
         if self.pd.mode in ("sglang", "vllm-mooncake") and self.pd.role == "prefill":
             app = web.Application()
@@ -88,6 +91,7 @@ class PdSide:
 
     async def query(self, request: web.Request) -> web.Response:
         """Mooncake's bootstrap server: this engine's ranks and where to pull from."""
+        self.queries += 1
         return web.json_response(mooncake_query(self.store, self.server.host, self.server.port))
 
     async def take(self, request: web.Request) -> web.Response:
