@@ -35,7 +35,7 @@ LONG = {"soak": "soak"}  # minutes by design: not part of "all"
 # speed), not of dprouter: not part of "all" either
 STUDIES = {"stacks": "stacks", "sim-scale": "sim_scale"}
 MODULES = {**SCENARIOS, **LONG, **STUDIES}
-PD_MODES = ("sglang", "vllm-nixl")
+PD_MODES = ("sglang", "vllm-nixl", "vllm-mooncake")
 
 
 def scenario(name: str) -> Callable[..., Result]:

@@ -103,7 +103,7 @@ async def pd(n: int, mode: str = "sglang") -> dict[str, Any]:
         args = [*DPROUTER, "serve", "--pd", mode, "--port", "0", "--load-interval", "0"]
         for line in prefill.lines:
             if line.startswith("prefill-"):
-                port = re.search(r"bootstrap_port=(\d+)", line)  # SGLang's only
+                port = re.search(r"bootstrap_port=(\d+)", line)  # SGLang, Mooncake
                 args += ["--prefill", url_in(line) + (f",bootstrap_port={port[1]}" if port else "")]
         args += [a for u in urls_in(decode.lines, "decode-") for a in ("--decode", u)]
         router = Proc(args)
