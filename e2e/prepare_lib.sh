@@ -8,6 +8,11 @@
 #                         --no-deps: nothing else comes in), then the function CHECK
 #                         (the engine's own sanity check, given the venv's python);
 #                         skipped when VENV/.dprouter-installed holds the lock's hash
+#   site_fixed VENV ENGINE [CHECK]
+#                         step 2: e2e/site_fixes.py ENGINE in VENV, then CHECK (given the
+#                         venv's python); skipped when VENV/.dprouter-patched holds the hash
+#                         of the script and the install
+#   marked MARKER KEY     true when the step that leaves MARKER is up to date with KEY
 # Each step leaves a marker holding a hash of its inputs and is skipped when it matches.
 
 PYTHON="${PYTHON:-python3}"
@@ -16,6 +21,7 @@ log() { printf '[%s prepare %(%H:%M:%S)T] %s\n' "$PREPARE_NAME" -1 "$*"; }
 now() { date +%s.%N; }
 took() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 hash_of() { cat "$@" | sha256sum | cut -d' ' -f1; }
+marked() { [[ -f "$1" && "$(cat "$1")" == "$2" ]]; }
 
 begin_home() {
     local home="$1"
@@ -41,7 +47,7 @@ locked_venv() {
     local venv="$1" lock="$2" check="$3" t0
     venv_key="$(hash_of "$lock")"
     venv_marker="$venv/.dprouter-installed"
-    if [[ -f "$venv_marker" && "$(cat "$venv_marker")" == "$venv_key" ]]; then
+    if marked "$venv_marker" "$venv_key"; then
         log "venv: up to date ($venv), skipped"
         return
     fi
@@ -57,4 +63,22 @@ locked_venv() {
     "$check" "$venv/bin/python"
     echo "$venv_key" >"$venv_marker"
     log "venv: done in $(took "$t0") s ($(du -sh "$venv" | cut -f1))"
+}
+
+site_fixed() {
+    local venv="$1" engine="$2" check="${3:-}" fixes key marker t0
+    fixes="$(dirname "${BASH_SOURCE[0]}")/site_fixes.py"
+    key="$(hash_of "$fixes" "$venv/.dprouter-installed")"
+    marker="$venv/.dprouter-patched"
+    if marked "$marker" "$key"; then
+        log "fixes: up to date, skipped"
+        return
+    fi
+    t0="$(now)"
+    rm -f "$marker"
+    log "fixes: applying $fixes"
+    "$venv/bin/python" "$fixes" "$engine"
+    if [[ -n "$check" ]]; then "$check" "$venv/bin/python"; fi
+    echo "$key" >"$marker"
+    log "fixes: done in $(took "$t0") s"
 }

@@ -36,7 +36,7 @@ begin_home "$PD_HOME"
 # Step 1: the transfer engine, beside (not in) the engines' environments.
 mc_key="$(echo "$MOONCAKE" | sha256sum | cut -d' ' -f1)"
 mc_marker="$PD_HOME/mooncake/.dprouter-installed"
-if [[ -f "$mc_marker" && "$(cat "$mc_marker")" == "$mc_key" ]]; then
+if marked "$mc_marker" "$mc_key"; then
     log "mooncake: up to date, skipped"
 else
     t0="$(now)"
@@ -58,7 +58,7 @@ debs_key="$(echo "${LIBS[*]} $MULTIARCH" | sha256sum | cut -d' ' -f1)"
 debs_marker="$PD_HOME/debs/.dprouter-unpacked"
 if have_libs; then
     log "libraries: ${LIBS[*]} installed on the system, nothing to unpack"
-elif [[ -f "$debs_marker" && "$(cat "$debs_marker")" == "$debs_key" ]]; then
+elif marked "$debs_marker" "$debs_key"; then
     log "libraries: up to date ($PD_HOME/debs), skipped"
 else
     t0="$(now)"

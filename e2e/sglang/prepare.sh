@@ -24,7 +24,6 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SGL_HOME="${DPROUTER_SGLANG_HOME:-$HOME/.cache/dprouter-sglang}"
 VENV="$SGL_HOME/venv"
 LOCK="$SCRIPT_DIR/lock.txt"
-PATCH="$SCRIPT_DIR/../site_fixes.py"
 MAKE_MODELS="$SCRIPT_DIR/make_models.py"
 MODELS=(llama qwen3)
 PREPARE_NAME=sglang
@@ -47,27 +46,18 @@ no_cuda_packages() {
 locked_venv "$VENV" "$LOCK" no_cuda_packages
 
 # Step 2: the fixes to the installed sglang / torchvision (fails loudly on a mismatch).
-patch_key="$(hash_of "$PATCH" "$venv_marker")"
-patch_marker="$VENV/.dprouter-patched"
-if [[ -f "$patch_marker" && "$(cat "$patch_marker")" == "$patch_key" ]]; then
-    log "fixes: up to date, skipped"
-else
-    t0="$(now)"
-    rm -f "$patch_marker"
-    log "fixes: applying $PATCH"
-    "$VENV/bin/python" "$PATCH" sglang
-    "$VENV/bin/python" -W ignore -c 'import torchvision.transforms' \
+torchvision_imports() {
+    "$1" -W ignore -c 'import torchvision.transforms' \
         || { echo "prepare.sh: torchvision still does not import" >&2; exit 1; }
-    echo "$patch_key" >"$patch_marker"
-    log "fixes: done in $(took "$t0") s"
-fi
+}
+site_fixed "$VENV" sglang torchvision_imports
 
 # Step 3: the two tiny models (built together: they share one tokenizer).
 model_key="$(hash_of "$MAKE_MODELS" "$venv_marker")"
 models_ok=1
 for m in "${MODELS[@]}"; do
     marker="$SGL_HOME/model-$m/.dprouter-built"
-    [[ -f "$marker" && "$(cat "$marker")" == "$model_key" ]] || models_ok=0
+    marked "$marker" "$model_key" || models_ok=0
 done
 if ((models_ok)); then
     log "models: up to date (${MODELS[*]/#/model-} in $SGL_HOME), skipped"
