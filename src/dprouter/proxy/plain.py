@@ -17,7 +17,6 @@ import orjson
 from aiohttp import web
 
 from dprouter.core.errors import Failed, UpstreamBroke, error
-from dprouter.core.headers import JSON_TYPE
 from dprouter.core.types import DialectName, Incoming, Kind
 from dprouter.engines import dialects
 from dprouter.engines.kvevents.lookup import Lookup
@@ -156,12 +155,10 @@ class Proxy:
         if client.form:  # a form is not re-encoded: the rank goes in a header, for both
             dialects.write_rank_header(target.rank, sent)
             data: bytes | Upload = client.raw if client.upload is None else client.upload
+        elif dialects.write_rank(dialect, target.rank, sent, body) or client.changed or named:
+            data = orjson.dumps(body)
         else:
-            sent.update(JSON_TYPE)  # read as JSON, so sent as JSON
-            if dialects.write_rank(dialect, target.rank, sent, body) or client.changed or named:
-                data = orjson.dumps(body)
-            else:
-                data = client.raw  # untouched: forward the client's bytes as they came
+            data = client.raw  # untouched: forward the client's bytes as they came
         with p.aborter.on_cancel(target.worker, rid):
             upstream = await p.upstream.post(target, request.path_qs, data, sent)
             # an upload the engine began taking cannot go elsewhere: its answer stands

@@ -18,7 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from dprouter.core.errors import Failed, UpstreamBroke, error
-from dprouter.core.headers import JSON_TYPE, TARGET_HEADER
+from dprouter.core.headers import TARGET_HEADER
 from dprouter.core.types import DialectName, Kind
 from dprouter.engines import dialects
 from dprouter.fleet.targets import Target, Worker
@@ -49,9 +49,7 @@ class Rankless:
             client = await read_request(request, kind, p.config, p.metrics)
             if isinstance(client, web.Response):
                 return client
-            model, headers = client.incoming.model, client.headers.copy()
-            if not client.form:
-                headers.update(JSON_TYPE)  # read as JSON, so sent as JSON
+            model, headers = client.incoming.model, client.headers
             data = orjson.dumps(client.incoming.body) if client.changed else client.raw
         pools = await wait_pools(
             request, p.registry, p.metrics, ("regular",), model, p.config.hold_wait, dialect

@@ -14,7 +14,7 @@ from multidict import CIMultiDict
 
 from dprouter.config import RouterConfig
 from dprouter.core.errors import BadRequest, error
-from dprouter.core.headers import HOP_BY_HOP, without
+from dprouter.core.headers import HOP_BY_HOP, JSON_TYPE, without
 from dprouter.core.types import Incoming, Kind
 from dprouter.engines import dialects
 from dprouter.proxy.metrics import RouterMetrics
@@ -61,6 +61,8 @@ async def read_request(
             raw = await request.read()
             incoming = parse(raw, kind, request.headers)
         headers = forwarded(request, config)
+        if not form:
+            headers.update(JSON_TYPE)  # read as JSON, so sent as JSON, rewritten or not
         if upload is not None and request.content_length is not None:
             headers["Content-Length"] = str(request.content_length)  # as declared: not chunked
         pinned = prefill = None

@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from dprouter.core.errors import Failed, UpstreamBroke
-from dprouter.core.headers import JSON_TYPE, PREFILL_HEADER
+from dprouter.core.headers import PREFILL_HEADER
 from dprouter.core.types import Incoming, Side
 from dprouter.engines import dialects
 from dprouter.fleet.targets import Outstanding, Target
@@ -85,7 +85,6 @@ class Call:
         ``Failed`` when it is to be tried elsewhere, else the answer, whatever its status."""
         sent, payload = self.client.headers.copy(), dict(body)
         sent.update(headers or {})
-        sent.update(JSON_TYPE)
         if side == "prefill":  # its answer is read here, as JSON: not compressed
             sent["Accept-Encoding"] = "identity"
         dialects.write_rank(target.worker.dialect or "vllm", target.rank, sent, payload)
