@@ -232,3 +232,18 @@ async def metric_sum(http: aiohttp.ClientSession, url: str, name: str, **labels:
         for s in family.samples
         if s.name == name and labels.items() <= s.labels.items()
     )
+
+
+async def metric_by(
+    http: aiohttp.ClientSession, url: str, name: str, label: str
+) -> dict[str, float]:
+    """The samples named ``name`` on ``url``/metrics, summed per value of ``label`` (an
+    engine's DP rank: SGLang's ``dp_rank``, vLLM's ``engine``)."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and label in s.labels:
+                out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+    return out

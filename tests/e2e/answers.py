@@ -1,9 +1,8 @@
-"""What the P/D groups ask of engines and routers, and how they read the engines' counts."""
+"""What the real-engine groups ask of engines and routers."""
 
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Any
 
 import aiohttp
@@ -28,22 +27,7 @@ async def ask(
         return r.status, dict(r.headers), await r.text()
 
 
-async def scrape(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.get(url + "/metrics") as r:
-        return await r.text()
-
-
-def series(text: str, name: str) -> float:
-    """The sum of a Prometheus series' samples (0 when absent); ``name`` may carry labels."""
-    found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    return sum(float(v) for v in found)
-
-
-def per_rank(text: str, name: str, label: str = "dp_rank") -> dict[int, float]:
-    """A series summed per DP rank (SGLang's ``dp_rank`` label, vLLM's ``engine``)."""
-    out: dict[int, float] = {}
-    for labels, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
-        rank = re.search(rf'{label}="(\d+)"', labels)
-        if rank is not None:
-            out[int(rank[1])] = out.get(int(rank[1]), 0.0) + float(value)
-    return out
+async def loads(http: aiohttp.ClientSession, url: str) -> dict[int, dict[str, Any]]:
+    """An SGLang engine's ``/v1/loads``, by DP rank."""
+    async with http.get(url + "/v1/loads") as r:
+        return {x["dp_rank"]: x for x in (await r.json())["loads"]}

@@ -26,8 +26,8 @@ from e2e.pd.pair import SglangPd
 from dprouter.bench.scenarios.aliasing import coverage, dprouter_slots, old_scheme
 from dprouter.config import RouterConfig
 from dprouter.fleet.worker_spec import WorkerSpec
-from tests.conftest import StartRouter, metric_sum
-from tests.e2e.answers import ask, per_rank, prompt, scrape, series
+from tests.conftest import StartRouter, metric_by, metric_sum
+from tests.e2e.answers import ask, loads, prompt
 from tests.e2e.conftest import SUMMARY
 
 pytestmark = [pytest.mark.realpd, pytest.mark.timeout(900)]
@@ -83,12 +83,11 @@ def router_config(fleet: Fleet, **options: Any) -> RouterConfig:
 async def slots(http: aiohttp.ClientSession, fleet: Fleet) -> dict[str, float]:
     """What every slot's engine counted: ``p<i>/<rank>`` transfers sent, ``d0/<rank>``
     transfers taken."""
-    prefills, decode = fleet.prefills, fleet.decode
     out: dict[str, float] = {}
-    for i, engine in enumerate(prefills):
-        for rank, n in per_rank(await scrape(http, engine.url), SENT).items():
+    for i, engine in enumerate(fleet.prefills):
+        for rank, n in (await metric_by(http, engine.url, SENT, "dp_rank")).items():
             out[f"p{i}/{rank}"] = n
-    for rank, n in per_rank(await scrape(http, decode.url), TAKEN).items():
+    for rank, n in (await metric_by(http, fleet.decode.url, TAKEN, "dp_rank")).items():
         out[f"d0/{rank}"] = n
     return out
 
@@ -98,21 +97,19 @@ def grew(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
 
 
 async def uncached(http: aiohttp.ClientSession, engine: SglangPd) -> dict[int, int]:
-    async with http.get(engine.url + "/v1/loads") as r:
-        return {x["dp_rank"]: x["total_prefill_uncached_tokens"] for x in (await r.json())["loads"]}
+    return {
+        r: x["total_prefill_uncached_tokens"] for r, x in (await loads(http, engine.url)).items()
+    }
 
 
 async def decoding(http: aiohttp.ClientSession, engine: SglangPd) -> int:
-    async with http.get(engine.url + "/v1/loads") as r:
-        return sum(rank["num_running_reqs"] for rank in (await r.json())["loads"])
+    return sum(x["num_running_reqs"] for x in (await loads(http, engine.url)).values())
 
 
 async def waiting(http: aiohttp.ClientSession, engine: SglangPd) -> int:
     """Requests an SGLang engine holds, on every rank, in any queue (P/D's included)."""
-    async with http.get(engine.url + "/v1/loads") as r:
-        loads = (await r.json())["loads"]
     held = 0
-    for rank in loads:
+    for rank in (await loads(http, engine.url)).values():
         held += rank.get("num_running_reqs", 0) + rank.get("num_waiting_reqs", 0)
         queues = rank.get("disaggregation") or {}
         held += sum(v for k, v in queues.items() if k.endswith("_queue_reqs"))
@@ -169,7 +166,7 @@ async def test_sglang_pd_serves_120_requests_on_every_slot_evenly_with_no_refusa
         now = await uncached(http, engine)
         assert all(now[rank] > was[rank] for rank in now), (was, now)
     assert not any(t.tripped for t in router.registry.targets())
-    assert series(await scrape(http, decode.url), "sglang:num_transfer_failed_reqs_total") == 0
+    assert await metric_sum(http, decode.url, "sglang:num_transfer_failed_reqs_total") == 0
     SUMMARY.append(
         f"SGLang P/D, 2 prefill x DP 2 + decode DP 2: {n} requests over {len(PATHS)} paths in "
         f"{took:.0f} s; KV transfers the engines counted per slot {counted}; 0 refused"

@@ -24,12 +24,13 @@ from e2e.pd.pair import VllmPd
 
 from dprouter.config import RouterConfig
 from dprouter.fleet.worker_spec import WorkerSpec
-from tests.conftest import StartRouter, metric_sum
-from tests.e2e.answers import ask, per_rank, prompt, scrape, series
+from tests.conftest import StartRouter, metric_by, metric_sum
+from tests.e2e.answers import ask, prompt
 from tests.e2e.conftest import SUMMARY
 
 pytestmark = [pytest.mark.realpd, pytest.mark.timeout(900)]
 PATHS = ("/v1/completions", "/v1/chat/completions")
+RAN = "vllm:request_success_total"  # requests a prefill rank (vLLM's engine label) finished
 
 
 def body(path: str, stream: bool, text: str) -> dict[str, Any]:
@@ -69,22 +70,20 @@ async def test_vllm_mooncake_moves_the_kv_and_the_decode_answers_as_a_plain_run(
     moved = computed = prompts = 0
     ranks: Counter[str] = Counter()
     for path, stream in itertools.product(PATHS, (False, True)):
-        before, ran_before = await scrape(http, decode.url), await finished(http, prefill)
+        before = await metric_by(http, decode.url, name, "source")
+        ran_before = await metric_by(http, prefill.url, RAN, "engine")
         text = prompt()
         status, headers, answer = await ask(http, router.url, path, body(path, stream, text))
         assert status == 200, answer
-        after, ran_after = await scrape(http, decode.url), await finished(http, prefill)
+        after = await metric_by(http, decode.url, name, "source")
+        ran_after = await metric_by(http, prefill.url, RAN, "engine")
         ran = [e for e in ran_after if ran_after[e] > ran_before.get(e, 0)]
         assert [f"p0/{e}" for e in ran] == [headers["x-dprouter-prefill"]], (ran, headers)
         ranks[headers["x-dprouter-prefill"]] += 1
         plain_status, _, plain = await ask(http, prefill.url, path, body(path, False, text))
         assert plain_status == 200, plain
         assert said(answer, stream) == said(plain, False), (answer[:300], plain[:300])
-        grew = {
-            source: series(after, f'{name}{{engine="0",model_name="tiny",source="{source}"}}')
-            - series(before, f'{name}{{engine="0",model_name="tiny",source="{source}"}}')
-            for source in ("external_kv_transfer", "local_compute")
-        }
+        grew = {s: after[s] - before[s] for s in ("external_kv_transfer", "local_compute")}
         tokens = prompt_tokens(plain)
         assert grew == {"external_kv_transfer": tokens, "local_compute": 0}, (path, grew)
         moved, computed, prompts = (
@@ -99,11 +98,6 @@ async def test_vllm_mooncake_moves_the_kv_and_the_decode_answers_as_a_plain_run(
         f"{dict(ranks)} (the engine's counts), decode took {moved} of {prompts} prompt tokens over "
         f"the transfer, computed {computed}; greedy answers equal the plain run's"
     )
-
-
-async def finished(http: aiohttp.ClientSession, engine: VllmPd) -> dict[int, float]:
-    """Requests each DP rank (vLLM's ``engine`` label) finished."""
-    return per_rank(await scrape(http, engine.url), "vllm:request_success_total", "engine")
 
 
 def said(answer: str, stream: bool) -> str:

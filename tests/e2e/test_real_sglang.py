@@ -23,6 +23,7 @@ from dprouter.config import RouterConfig
 from dprouter.fleet import engine_load
 from dprouter.fleet.worker_spec import WorkerSpec
 from tests.conftest import StartRouter, until
+from tests.e2e.answers import loads
 from tests.e2e.conftest import SUMMARY, installs_beside
 
 # an SGLang server takes about a minute to start on two cores
@@ -46,11 +47,6 @@ def generate_body(**extra: Any) -> dict[str, Any]:
     return {"text": prompt(), "sampling_params": params, **extra}
 
 
-async def loads(http: aiohttp.ClientSession, server: SglangServer) -> dict[int, dict[str, Any]]:
-    async with http.get(server.url + "/v1/loads") as r:
-        return {x["dp_rank"]: x for x in (await r.json())["loads"]}
-
-
 async def served_rank(
     http: aiohttp.ClientSession,
     server: SglangServer,
@@ -59,11 +55,11 @@ async def served_rank(
     """The router's target for the request ``send`` makes, and the rank the engine says ran
     its prefill (the one whose uncached prefill tokens rose)."""
     field = "total_prefill_uncached_tokens"
-    before = {r: x[field] for r, x in (await loads(http, server)).items()}
+    before = {r: x[field] for r, x in (await loads(http, server.url)).items()}
     target, _ = await send()
     rose: list[int] = []
     for _ in range(40):  # the engine publishes its counts about every 0.1 s
-        after = {r: x[field] for r, x in (await loads(http, server)).items()}
+        after = {r: x[field] for r, x in (await loads(http, server.url)).items()}
         rose = [r for r in after if after[r] > before[r]]
         if rose:
             break
@@ -201,7 +197,7 @@ async def test_a_client_that_leaves_a_long_stream_frees_its_rank(
     rank = int(resp.headers["x-dprouter-target"].split("/")[1])
 
     async def running() -> int:
-        return int((await loads(http, sglang_dp2))[rank]["num_running_reqs"])
+        return int((await loads(http, sglang_dp2.url))[rank]["num_running_reqs"])
 
     for _ in range(40):  # the engine's count can lag the first events
         if await running() == 1:
