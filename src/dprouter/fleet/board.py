@@ -11,7 +11,11 @@ flight, so load is its in flight, exact; beside other replicas it adds the
 requests only the engine has seen. Tokens the same way: ``token_load`` =
 max(tokens in flight, reported tokens + tokens in flight - ``token_base``),
 where the engine reports the KV-cache tokens it holds (and SGLang the prompt
-tokens queued) and the router counts prompt + output budget left.
+tokens queued) and the router counts prompt + output budget left. ``work``: the
+decode tokens its requests there have left to run, by their predicted lengths
+(what sets an engine's steps: ``min_tokens`` compares it). ``cap``: the requests
+the engine runs at once there (its running slots, as it reports them; 0: not
+known), for the dispatcher (``proxy/dispatch``).
 
 One process keeps the board in a private buffer. ``--processes N`` puts it in
 shared memory (made by the parent before the children start) with, besides
@@ -21,9 +25,11 @@ every write takes the ``BoardLock`` (a semaphore shared by the processes), so a
 request counted in one process is seen by the next decision in any process.
 
 Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
+``own_work[rows][slots]``,
 ``inflight[slots]``, ``tokens[slots]``, ``reported[slots]``, ``load[slots]``,
 ``base[slots]``, ``reported_tokens[slots]``, ``token_load[slots]``,
-``token_base[slots]``, then two cells: the row (+1) holding the lock, 0 if none;
+``token_base[slots]``, ``work[slots]``, ``cap[slots]``, then two cells: the row (+1)
+holding the lock, 0 if none;
 the routing keys ``manual`` moved off overloaded targets (one writer: the
 process that owns the key table); then ``MODELS`` pairs of cells for the typical
 output lengths (``output_budget``): a model's key, its typical length in thousandths.
@@ -54,12 +60,12 @@ class Lock(Protocol):
 
 SLOTS = 1 << 15  # targets + workers a router can hold (4,096 ranks is 1/8 of it)
 I64 = npt.NDArray[np.int64]
-ROWS = 8  # whole-router rows
+ROWS = 10  # whole-router rows
 MODELS = 64  # models whose typical output length the board keeps (more: kept per process)
 
 
 def size_of(rows: int, slots: int = SLOTS) -> int:
-    return ((2 * rows + ROWS) * slots + 2 + 2 * MODELS) * 8
+    return ((3 * rows + ROWS) * slots + 2 + 2 * MODELS) * 8
 
 
 class Board:
@@ -83,6 +89,8 @@ class Board:
         own = rows * slots
         self.own_inflight = whole[:own].reshape(rows, slots)
         self.own_tokens = whole[own : 2 * own].reshape(rows, slots)
+        self.own_work = whole[2 * own : 3 * own].reshape(rows, slots)
+        top = 3 * own  # the whole-router rows, after the three per-process blocks
         (
             self.inflight,
             self.tokens,
@@ -92,18 +100,23 @@ class Board:
             self.reported_tokens,
             self.token_load,
             self.token_base,
-        ) = (whole[2 * own + i * slots : 2 * own + (i + 1) * slots] for i in range(ROWS))
+            self.work,
+            self.cap,
+        ) = (whole[top + i * slots : top + (i + 1) * slots] for i in range(ROWS))
         self.mine = row * slots  # where this process's own rows start
         self.mine_tokens = own + row * slots
-        self.inflight_base = 2 * own
-        self.tokens_base = 2 * own + slots
-        self.reported_base = 2 * own + 2 * slots
-        self.load_base = 2 * own + 3 * slots
-        self.base_base = 2 * own + 4 * slots
-        self.reported_tokens_base = 2 * own + 5 * slots
-        self.token_load_base = 2 * own + 6 * slots
-        self.token_base_base = 2 * own + 7 * slots
-        self.lock_cell = 2 * own + ROWS * slots
+        self.mine_work = 2 * own + row * slots
+        self.inflight_base = top
+        self.tokens_base = top + slots
+        self.reported_base = top + 2 * slots
+        self.load_base = top + 3 * slots
+        self.base_base = top + 4 * slots
+        self.reported_tokens_base = top + 5 * slots
+        self.token_load_base = top + 6 * slots
+        self.token_base_base = top + 7 * slots
+        self.work_base = top + 8 * slots
+        self.cap_base = top + 9 * slots
+        self.lock_cell = top + ROWS * slots
         self.moves_cell = self.lock_cell + 1
         self.models_base = self.moves_cell + 1  # MODELS x (key, typical x 1000)
         # the rows policies read, one cell per slot (an itemgetter over slots reads many)
@@ -114,9 +127,10 @@ class Board:
 
     def close(self) -> None:
         """Let go of the buffer (shared memory cannot be closed while views of it live)."""
-        del self.whole, self.own_inflight, self.own_tokens, self.inflight, self.tokens
+        del self.whole, self.own_inflight, self.own_tokens, self.own_work, self.inflight
+        del self.tokens
         del self.reported, self.load, self.base, self.reported_tokens, self.token_load
-        del self.token_base
+        del self.token_base, self.work, self.cap
         self.load_cells.release()
         self.token_load_cells.release()
         self.cells.release()
@@ -142,6 +156,12 @@ class Board:
     def token_load_of(self, slot: int) -> int:
         return self.cells[self.token_load_base + slot]
 
+    def work_of(self, slot: int) -> int:
+        return self.cells[self.work_base + slot]
+
+    def cap_of(self, slot: int) -> int:
+        return self.cells[self.cap_base + slot]
+
     @property
     def moves(self) -> int:
         return self.cells[self.moves_cell]
@@ -158,25 +178,26 @@ class Board:
         """A routing key left an overloaded target."""
         self.cells[self.moves_cell] += 1
 
-    def add(self, slot: int, requests: int, tokens: int, also: int = -1) -> None:
-        """Count ``requests`` and ``tokens`` on ``slot`` (and on ``also``: a target's
-        worker, in the same step). ``step`` written out: this runs twice per request."""
+    def add(self, slot: int, requests: int, tokens: int, also: int = -1, work: int = 0) -> None:
+        """Count ``requests``, ``tokens`` and decode ``work`` on ``slot`` (and on ``also``:
+        a target's worker, in the same step). ``step`` written out: this runs twice per
+        request."""
         lock = self.lock
         if lock is None or lock.held:
-            self._add(slot, requests, tokens, also)
+            self._add(slot, requests, tokens, also, work)
         else:
             with lock:
-                self._add(slot, requests, tokens, also)
+                self._add(slot, requests, tokens, also, work)
 
-    def _add(self, slot: int, requests: int, tokens: int, also: int) -> None:
+    def _add(self, slot: int, requests: int, tokens: int, also: int, work: int) -> None:
         """Both slots in one body, the offsets read once: a request's four writes (two
         per ``add``) at 1.7 us less than a call per slot (timeit)."""
         c = self.cells
-        rows, mine, mine_tokens = self.rows, self.mine, self.mine_tokens
+        rows, mine, mine_tokens, mine_work = self.rows, self.mine, self.mine_tokens, self.mine_work
         inflight, toks, reported = self.inflight_base, self.tokens_base, self.reported_base
         load, base = self.load_base, self.base_base
         reported_toks, token_load = self.reported_tokens_base, self.token_load_base
-        token_base = self.token_base_base
+        token_base, works = self.token_base_base, self.work_base
         while True:
             if rows > 1:
                 c[mine + slot] += requests
@@ -189,6 +210,10 @@ class Board:
             c[toks + slot] = t
             seen = c[reported_toks + slot] + t - c[token_base + slot]
             c[token_load + slot] = t if t > seen else seen
+            if work:
+                c[works + slot] += work
+                if rows > 1:
+                    c[mine_work + slot] += work
             if also < 0:
                 return
             slot, also = also, -1
@@ -217,6 +242,11 @@ class Board:
         c[self.token_base_base + slot] = t
         c[self.token_load_base + slot] = t if t > tokens else tokens
 
+    def set_cap(self, slot: int, cap: int) -> None:
+        """The requests the engine runs at once on ``slot`` (0: not known). One cell:
+        written whole, read whole, no lock needed."""
+        self.cells[self.cap_base + slot] = cap
+
     def release(self, row: int) -> None:
         """A serving process died: what it had in flight is in flight no more."""
         with self.step():
@@ -225,11 +255,13 @@ class Board:
     def _release(self, row: int) -> None:
         self.inflight -= self.own_inflight[row]
         self.tokens -= self.own_tokens[row]
+        self.work -= self.own_work[row]
         np.maximum(self.inflight, self.reported + self.inflight - self.base, out=self.load)
         seen = self.reported_tokens + self.tokens - self.token_base
         np.maximum(self.tokens, seen, out=self.token_load)
         self.own_inflight[row, :] = 0
         self.own_tokens[row, :] = 0
+        self.own_work[row, :] = 0
 
     # -- slots: handed out by the one process that owns membership ------------------
 
@@ -240,6 +272,7 @@ class Board:
             if not self.cells[self.inflight_base + slot] and not self.tokens_of(slot):
                 del self._free[i]
                 self.report(slot, 0)
+                self.set_cap(slot, 0)
                 return slot
         if self._next >= self.slots:
             raise RuntimeError(f"the router holds at most {self.slots} targets and workers")

@@ -10,6 +10,11 @@ what the engine itself counts, read from the series each engine exports:
   (KV-cache tokens held) + ``num_waiting_uncached_tokens`` (prompt tokens queued
   that are not cached yet: work the rank has ahead).
 An engine that exports neither reports 0 tokens: the router's own count stands.
+
+And per rank, its running cap: the requests it runs at once, for the dispatcher.
+SGLang reports it per rank in ``/v1/loads`` (``max_running_requests``, the
+engine's ``--max-running-requests`` over its DP ranks); vLLM exports no
+``max_num_seqs``, so its caps are unknown (0) unless ``--dispatch-slots`` says.
 """
 
 from __future__ import annotations
@@ -62,27 +67,49 @@ def sglang_load(entry: Mapping[str, object]) -> Load:
     return requests, count("num_used_tokens") + count("num_waiting_uncached_tokens")
 
 
+def sglang_cap(entry: Mapping[str, object]) -> int:
+    value = entry.get("max_running_requests", 0)
+    return int(value) if isinstance(value, int | float) and value > 0 else 0
+
+
 async def scrape(session: aiohttp.ClientSession, worker: Worker) -> dict[int, Load]:
     """Requests running + waiting, and tokens, per local rank, as the engine reports them."""
+    return (await read(session, worker))[0]
+
+
+async def read(
+    session: aiohttp.ClientSession, worker: Worker
+) -> tuple[dict[int, Load], dict[int, int]]:
+    """``scrape``'s loads, and each local rank's running cap where the engine says."""
     if worker.dialect == "vllm":
         async with session.get(worker.url + "/metrics") as r:
             r.raise_for_status()
             per_engine = vllm_loads(await r.text())
         offset = worker.rank_offset or 0
-        return {label - offset: value for label, value in per_engine.items()}
+        return {label - offset: value for label, value in per_engine.items()}, {}
     async with session.get(worker.url + "/v1/loads") as r:
         if r.status == 200:
             loads = orjson.loads(await r.read()).get("loads", [])
-            return {int(x["dp_rank"]): sglang_load(x) for x in loads}
+            by_rank = {int(x["dp_rank"]): x for x in loads}
+            caps = {rank: sglang_cap(x) for rank, x in by_rank.items()}
+            return {rank: sglang_load(x) for rank, x in by_rank.items()}, caps
     async with session.get(worker.url + "/get_load") as r:  # older SGLang: no tokens
         r.raise_for_status()
-        return {int(x["dp_rank"]): (int(x["num_reqs"]), 0) for x in orjson.loads(await r.read())}
+        loads = orjson.loads(await r.read())
+        return {int(x["dp_rank"]): (int(x["num_reqs"]), 0) for x in loads}, {}
 
 
-def assign(worker: Worker, per_rank: dict[int, Load]) -> None:
-    """Write the reports on the board: each rank's, and the whole worker's (the sum)."""
+def assign(
+    worker: Worker, per_rank: dict[int, Load], caps: Mapping[int, int] | None = None
+) -> None:
+    """Write the reports on the board: each rank's, and the whole worker's (the sum); and
+    each target's running cap (a target that is the whole worker: the ranks' sum, known
+    only when every rank's is)."""
     whole = (sum(r for r, _ in per_rank.values()), sum(t for _, t in per_rank.values()))
+    caps = caps or {}
+    every = sum(caps.values()) if caps and all(caps.values()) else 0
     for t in worker.targets:
         t.report(*(whole if t.rank is None else per_rank.get(t.rank, (0, 0))))
+        t.board.set_cap(t.slot, every if t.rank is None else caps.get(t.rank, 0))
     if worker.board is not None and worker.slot >= 0:
         worker.board.report(worker.slot, *whole)

@@ -132,6 +132,8 @@ class Monitor:
                 break
             probe.apply(worker, found)
             self.registry.mark_ready(worker)
+            if self.options.scrape_interval > 0:
+                await self._scrape(worker)  # its running caps known before its first request
             if worker.ranks > 1 and not self.registry.dp_aware:
                 log.warning(
                     "worker %s runs %d DP ranks%s but DP-aware routing is OFF: its own "
@@ -158,12 +160,13 @@ class Monitor:
             await asyncio.gather(*(self._scrape(w) for w in ready))
 
     async def _scrape(self, worker: Worker) -> None:
+        caps: dict[int, int] = {}
         try:
-            per_rank = await engine_load.scrape(self.session, worker)
+            per_rank, caps = await engine_load.read(self.session, worker)
         except Exception as exc:  # one odd worker must not stop scraping the others
             log.debug("load of %s unavailable: %s", worker.id, exc)
             per_rank = {}  # unknown now: fall back on the router's own counts
-        engine_load.assign(worker, per_rank)
+        engine_load.assign(worker, per_rank, caps)
 
     async def _health_loop(self) -> None:
         while True:

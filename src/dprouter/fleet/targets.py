@@ -170,11 +170,11 @@ class Outstanding:
             t = self.target
             self.left -= n
             self.tokens -= n
-            t.board.add(t.slot, 0, -n, t.worker.slot)
+            t.board.add(t.slot, 0, -n, t.worker.slot, -n)
 
     def claim(self) -> Outstanding:
         t = self.target
-        t.board.add(t.slot, 1, self.tokens, t.worker.slot)
+        t.board.add(t.slot, 1, self.tokens, t.worker.slot, self.left)
         self.claimed = True
         return self
 
@@ -185,5 +185,5 @@ class Outstanding:
 
     def __exit__(self, *exc: object) -> None:
         t = self.target
-        t.board.add(t.slot, -1, -self.tokens, t.worker.slot)
+        t.board.add(t.slot, -1, -self.tokens, t.worker.slot, -self.left)
         self.claimed = False
