@@ -27,7 +27,7 @@ from dprouter.core.types import PdMode
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.proxy.output_budget import OutputEstimate
-from dprouter.sim.model.config import EngineConfig, Faults, PdConfig
+from dprouter.sim.model.config import EngineConfig, Faults, PdConfig, RankLimits
 from tests.conftest import StartCluster, metric_sum, until, workers
 
 StartProcesses = Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]]
@@ -343,6 +343,44 @@ async def test_every_process_counts_a_request_by_the_lengths_all_of_them_saw_fin
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         assert await until(lambda: in_flight(sup) == 0, seconds=10)
+
+
+async def test_the_dispatcher_keeps_every_ranks_running_cap_across_both_processes(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    """A burst over both processes: each holds what finds no free slot, and a slot is
+    taken on the shared board under its lock, so no rank ever gets more than its cap."""
+    slots = 3
+    engine = EngineConfig(
+        persona="sglang", dp_size=2, dp_attention=True, limits=RankLimits(max_running=slots)
+    )
+    cluster = await start_cluster([replace(engine, time_scale=0.3)])
+    (server,) = cluster.servers
+    sup = await start_processes(RouterConfig(workers=workers(*cluster.urls)))
+    most = 0
+
+    async def watch() -> None:
+        nonlocal most
+        for _ in range(20_000):  # bounded: ~100 s
+            for rank in server.engine.ranks:
+                most = max(most, rank.num_running + len(rank.waiting))
+            await asyncio.sleep(0.005)
+
+    async def one(n: int) -> None:
+        body = {"text": f"r{n}", "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
+        async with fresh() as s, s.post(sup.url + "/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["meta_info"]["completion_tokens"] == 30
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.gather(*(one(n) for n in range(24)))
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    assert most == slots
+    assert len(server.received) == 24  # none lost, none twice
+    assert await until(lambda: in_flight(sup) == 0, seconds=10)
 
 
 @pytest.mark.parametrize("mode", ["vllm-nixl", "vllm-mooncake", "sglang"])

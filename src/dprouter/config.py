@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dprouter.core.errors import ConfigError
-from dprouter.core.types import PD_MODES, DpAware, PdMode, Role
+from dprouter.core.types import PD_MODES, DispatchMode, DpAware, PdMode, Role
 from dprouter.fleet.breakers import BreakerOptions
 from dprouter.fleet.membership import Source
 from dprouter.fleet.membership.labels import Selector, parse_selector
@@ -90,6 +90,12 @@ class RouterConfig:
     # seconds a request waits while every worker that could serve it is paused or updating
     # its weights (or has not reached the version it asks for) before a 503
     hold_wait: float = 60.0
+    # hold requests in the router while every rank's running slots are taken, longest
+    # predicted first (proxy/dispatch.py); auto: where the engines report their caps
+    dispatch: DispatchMode = "auto"
+    dispatch_slots: int = 0  # running slots per rank when the engines do not say; 0: theirs
+    dispatch_wait: float = 600.0  # seconds a request may be held before a 503
+    dispatch_aging: float = 100.0  # tokens of priority a second of waiting is worth
     dashboard: bool = False  # /dashboard and /dashboard/data; behind admin_token when set
     pd: PdMode | None = None  # P/D disaggregation flow, chosen once; None: regular workers
     prefill_policy: str | None = None  # None: --policy (round_robin)
@@ -244,6 +250,9 @@ def validate(config: RouterConfig) -> RouterConfig:
         "cache_bound",
         "startup_timeout",
         "hold_wait",
+        "dispatch_slots",
+        "dispatch_wait",
+        "dispatch_aging",
     ):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
@@ -252,6 +261,8 @@ def validate(config: RouterConfig) -> RouterConfig:
             raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
     check_prefix(config)
     admin_networks(config.admin_from)
+    if config.dispatch not in ("auto", "off"):
+        raise ConfigError(f"dispatch must be auto or off, got {config.dispatch!r}")
     if config.output_budget not in ("typical", "cap"):
         raise ConfigError(f"output_budget must be typical or cap, got {config.output_budget!r}")
     if not 0 <= config.cache_threshold <= 1:

@@ -253,6 +253,31 @@ def make_config(
     ),
 )
 @option(
+    "--dispatch",
+    type=click.Choice(["auto", "off"]),
+    help=(
+        "auto: while every rank's running slots are taken (as the engine reports them, or "
+        "--dispatch-slots), requests wait in the router and go to the first rank that frees "
+        "one, the longest predicted first; off: every request goes to an engine at once."
+    ),
+)
+@option(
+    "--dispatch-slots",
+    type=click.IntRange(min=0),
+    help="Running slots per rank for engines that do not report theirs (vLLM: its "
+    "max_num_seqs / DP); 0: the engines' own.",
+)
+@option(
+    "--dispatch-wait",
+    type=click.FloatRange(min=0),
+    help="Seconds a request may wait in the router for a slot before a 503.",
+)
+@option(
+    "--dispatch-aging",
+    type=click.FloatRange(min=0),
+    help="Tokens of priority a second of waiting is worth, so that nothing starves.",
+)
+@option(
     "--max-body", type=click.IntRange(min=1), help="Largest request body in bytes (413 beyond)."
 )
 @option(

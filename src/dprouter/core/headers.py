@@ -34,6 +34,9 @@ TARGET_HEADER = "x-dprouter-target"  # on every answer: the target that made it
 PREFILL_HEADER = "x-dprouter-prefill"  # on a P/D answer: the prefill target
 # asked by a request (latest, N or >=N) and, on every answer, the weights that served it
 WEIGHT_VERSION_HEADER = "x-dprouter-weight-version"
+# samples of one group (GRPO: one prompt's) run to similar lengths: the first to finish
+# predicts the rest; without it, the samples of one prompt are a group
+GROUP_HEADER = "x-dprouter-group"
 
 
 def without(headers: CIMultiDictProxy[str], dropped: Iterable[str]) -> CIMultiDict[str]:

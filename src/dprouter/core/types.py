@@ -18,6 +18,7 @@ DialectName = Literal["vllm", "sglang"]
 PdMode = Literal["vllm-nixl", "vllm-mooncake", "vllm-moriio", "sglang"]
 PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-mooncake", "vllm-moriio", "sglang")
 DpAware = Literal["auto", "off"]
+DispatchMode = Literal["auto", "off"]  # auto: hold where running caps are known
 # how a request's body is read: each endpoint names one (see server/endpoints.py)
 Kind = Literal["completion", "chat", "generate", "pooling", "tokenizer", "responses", "audio"]
 
@@ -35,3 +36,5 @@ class Incoming:
     output: int = 0  # the output budget (max_tokens, or the default when unset)
     prompt_tokens: int = 0  # estimated
     limit: int | None = None  # max_tokens as sent; None: unset
+    exact: bool = False  # the request runs to its limit (ignore_eos, min = max tokens)
+    group: int = 0  # which prompt (or X-DPRouter-Group) it samples: its lengths' history

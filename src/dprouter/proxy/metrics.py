@@ -176,6 +176,12 @@ class RouterMetrics:
             ["prefill_worker", "prefill_rank", "decode_worker", "decode_rank"],
             registry=p,
         )
+        self.held = Gauge(
+            "dprouter_held_requests",
+            "Requests waiting in the router for a free running slot (the dispatcher).",
+            registry=p,
+            multiprocess_mode="livesum",
+        )
         # livemax: under --processes, the most lagging live process (a dead one's file goes)
         self.loop_lag = Gauge(
             "dprouter_event_loop_lag_seconds",

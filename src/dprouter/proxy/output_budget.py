@@ -15,11 +15,22 @@ the board: under ``--processes`` every serving process updates and reads the
 same one, so all count a request alike (a process averaging only the answers it
 served weighed the same request differently from the other, by up to the cap
 before its own first answer).
+
+Two things tell a request's length better than the model's average:
+- a request that runs to its cap (``ignore_eos``, or a floor equal to the cap, as
+  RL rollouts and benchmarks send) is counted by its cap, exactly;
+- a group's history: the samples of one prompt (GRPO sends a group of them at
+  once; a prompt recurs across epochs) run to similar lengths, so the lengths the
+  router saw a group's requests finish at predict the rest (``Incoming.group``:
+  the prompt, or the client's ``X-DPRouter-Group``). The history is bounded
+  (``GROUPS``, least recently used out) and kept per serving process.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections import OrderedDict
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -30,6 +41,8 @@ from dprouter.proxy.parse import DEFAULT_OUTPUT
 from dprouter.proxy.relay import was_cut
 
 WEIGHT = 0.05  # of each new length in the average: about the last 20 requests count
+GROUPS = 65_536  # groups whose lengths the router remembers, the most recently seen
+GROUP_MEMORY = 8  # a group's average weighs about its last 8 lengths
 USAGE = b'"completion_tokens":'
 
 
@@ -59,6 +72,8 @@ class OutputEstimate:
         self.board = board
         self.typical: dict[str | None, float] = {}  # models without a cell on the board
         self._cells: dict[str | None, int] = {}  # a model's cell for its average, -1: none
+        self.groups: OrderedDict[int, tuple[float, int]] = OrderedDict()  # (mean, lengths)
+        self.listeners: list[Callable[[int], None]] = []  # told of a group's new length
 
     def cell(self, model: str | None) -> int:
         """The board cell of ``model``'s average (thousandths of a token; 0: none yet), or
@@ -78,8 +93,11 @@ class OutputEstimate:
         self._cells[model] = found
         return found
 
-    def observe(self, generated: int, model: str | None = None) -> None:
-        """A request for ``model`` finished after ``generated`` output tokens."""
+    def observe(self, generated: int, model: str | None = None, group: int = 0) -> None:
+        """A request for ``model`` (of ``group``, 0: none) finished after ``generated``
+        output tokens."""
+        if group and self.learned:
+            self._observe_group(generated, group)
         at = self.cell(model)
         if at < 0:
             t = self.typical.get(model)
@@ -91,6 +109,16 @@ class OutputEstimate:
             t = board.cells[at] / 1000
             new = float(generated) if not t else t + WEIGHT * (generated - t)
             board.cells[at] = max(1, round(new * 1000))  # 0 is "none yet"
+
+    def _observe_group(self, generated: int, group: int) -> None:
+        groups = self.groups
+        mean, n = groups.pop(group, (0.0, 0))
+        n = min(n + 1, GROUP_MEMORY)
+        groups[group] = (mean + (generated - mean) / n, n)
+        if len(groups) > GROUPS:
+            groups.popitem(last=False)
+        for listener in self.listeners:
+            listener(group)
 
     def budget(self, limit: int | None, model: str | None = None) -> int:
         """The output tokens to count for a request whose cap is ``limit`` (None: unset)."""
@@ -106,14 +134,25 @@ class OutputEstimate:
             t = thousandths / 1000 if thousandths else None
         return cap if t is None else min(cap, round(t))
 
+    def predict(self, incoming: Incoming) -> int:
+        """The output tokens ``incoming`` will likely run to: its cap when it runs to it,
+        else its group's lengths so far, else the model's typical length (within the cap)."""
+        limit = incoming.limit
+        if incoming.exact and limit is not None:
+            return limit
+        seen = self.groups.get(incoming.group) if self.learned and incoming.group else None
+        if seen is None:
+            return self.budget(limit, incoming.model)
+        return round(seen[0]) if limit is None else min(limit, round(seen[0]))
+
     def apply(self, incoming: Incoming) -> None:
-        """Count ``incoming`` by its budget: prompt + min(cap, typical)."""
-        incoming.output = self.budget(incoming.limit, incoming.model)
+        """Count ``incoming`` by its budget: prompt + its predicted output."""
+        incoming.output = self.predict(incoming)
         incoming.tokens = incoming.prompt_tokens + incoming.output
 
 
 def learn(
-    estimate: OutputEstimate, answer: web.StreamResponse, counted: Outstanding, model: str | None
+    estimate: OutputEstimate, answer: web.StreamResponse, counted: Outstanding, incoming: Incoming
 ) -> None:
     """What a good answer tells of output lengths: a whole answer its usage, a stream
     the events that went by."""
@@ -123,6 +162,6 @@ def learn(
         body = answer.body
         found = completion_tokens(body) if isinstance(body, bytes) else None
         if found is not None:
-            estimate.observe(found, model)
+            estimate.observe(found, incoming.model, incoming.group)
     elif counted.seen:
-        estimate.observe(counted.seen, model)
+        estimate.observe(counted.seen, incoming.model, incoming.group)

@@ -6,12 +6,14 @@ a wrong type is a 400 naming the field rather than a routing accident.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 from dprouter.core.errors import BadRequest
+from dprouter.core.headers import GROUP_HEADER
 from dprouter.core.types import Incoming, Kind
 
 # bodies the router reads only for routing (model, key, text); the engine checks the rest
@@ -113,6 +115,28 @@ def _loose_text(body: Mapping[str, Any]) -> tuple[str, int]:
     return "", 0
 
 
+def _exact(params: Mapping[str, Any], limit: int | None, least: str) -> bool:
+    """The request runs to its limit: told to ignore the end of sequence, or to make at
+    least as many tokens as its limit allows (``least`` names that field)."""
+    if limit is None:
+        return False
+    return params.get("ignore_eos") is True or params.get(least) == limit
+
+
+def group_of(headers: Mapping[str, str], body: Mapping[str, Any], kind: Kind) -> int:
+    """Which group a request samples, as a number the same in every process: the
+    client's ``X-DPRouter-Group``, else its model and whole prompt (GRPO's samples of one
+    prompt share it)."""
+    named = headers.get(GROUP_HEADER)
+    if named is not None:
+        return zlib.crc32(named.encode()) | 1 << 32  # never equal to a prompt's
+    field = "messages" if kind == "chat" else "prompt" if kind == "completion" else "text"
+    prompt = body.get(field)
+    if prompt is None and kind == "generate":
+        prompt = body.get("input_ids")
+    return zlib.crc32(orjson.dumps(prompt), zlib.crc32(str(body.get("model")).encode()))
+
+
 def routing_key(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
     for name in KEY_HEADERS:
         value = headers.get(name)
@@ -156,8 +180,10 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
     if kind == "generate":
         params = _typed(body, "sampling_params", (dict,), "an object") or {}
         limit = _limit(params, "max_new_tokens", least=0)  # SGLang: 0 is prefill only
+        exact = _exact(params, limit, "min_new_tokens")
     else:
         limit = _limit(body, "max_completion_tokens", "max_tokens")
+        exact = _exact(body, limit, "min_tokens")  # vLLM's sampling fields, in the body
     text, prompt_tokens = _prompt(body, kind)
     return Incoming(
         body=body,
@@ -169,4 +195,6 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         output=DEFAULT_OUTPUT if limit is None else limit,
         prompt_tokens=prompt_tokens,
         limit=limit,
+        exact=exact,
+        group=group_of(headers, body, kind),
     )

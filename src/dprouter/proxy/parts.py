@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dprouter.config import RouterConfig
 from dprouter.fleet.registry import Registry
 from dprouter.proxy.abort import Aborter
+from dprouter.proxy.dispatch import Dispatcher
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.output_budget import OutputEstimate
 from dprouter.proxy.retry import Retry
@@ -22,3 +23,4 @@ class ProxyParts:
     retry: Retry  # what a failed attempt leads to
     output: OutputEstimate  # a request's likely output, learned from the answers
     aborter: Aborter  # SGLang: a client that leaves aborts its request on the engine
+    dispatch: Dispatcher  # holds requests while every rank's running slots are taken

@@ -24,6 +24,7 @@ from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.policies import Policy, RequestInfo
 from dprouter.proxy.abort import ensure_rid
+from dprouter.proxy.dispatch import HeldTooLong
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.output_budget import learn
 from dprouter.proxy.parts import ProxyParts
@@ -109,7 +110,11 @@ class Proxy:
             chosen = attempts.numbered(info)
             if self.placer is not None and placeable(chosen):
                 await self.placer.place(candidates, chosen)
-            counted = self._choose(candidates, chosen, incoming)
+            try:
+                counted = await self._count(candidates, chosen, incoming)
+            except HeldTooLong as exc:
+                self.parts.metrics.rejected.labels("held_too_long").inc()
+                return error(503, str(exc))
             if found is not None and self.lookup is not None:
                 self.lookup.sent(found, counted.target, started)  # its blocks are pending there
             try:
@@ -121,8 +126,25 @@ class Proxy:
                 if client.upload is not None and client.upload.begun:  # its bytes are gone
                     return broke(client.upload, failure, attempts, self.parts.metrics)
                 raise
+            finally:
+                self.parts.dispatch.freed()  # its slot may go to a held request
 
         return await attempts.run((pool,), attempt)
+
+    async def _count(
+        self, candidates: Sequence[Target], info: RequestInfo, incoming: Incoming
+    ) -> Outstanding:
+        """The target, and what counts the request there: the policy's pick now, or,
+        under the dispatcher, among the targets with a free slot once one has."""
+        dispatch = self.parts.dispatch
+        if not dispatch.active:
+            return self._choose(candidates, info, incoming)
+
+        def pick(free: Sequence[Target]) -> Outstanding:
+            target = self.policy.select(free, info)  # under the lock, when there is one
+            return Outstanding(target, incoming.tokens, incoming.output)
+
+        return await dispatch.admit(candidates, incoming, (info.pool, info.attempt), pick)
 
     def _choose(
         self, candidates: Sequence[Target], info: RequestInfo, incoming: Incoming
@@ -170,7 +192,7 @@ class Proxy:
             except UpstreamBroke as exc:
                 raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
             attempts.answered(answer, target)
-            learn(p.output, answer, counted, incoming.model)
+            learn(p.output, answer, counted, incoming)
             return answer
 
 

@@ -30,6 +30,7 @@ from dprouter.policies import Policy, make_policy, needs_tokens
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy.abort import Aborter
+from dprouter.proxy.dispatch import Dispatcher, DispatchOptions
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.output_budget import OutputEstimate
 from dprouter.proxy.parts import ProxyParts
@@ -171,6 +172,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await parts.registration.start()
     for source in parts.sources:
         await source.start()
+    # typical output lengths, learned from the answers (``cap``: max_tokens as sent)
+    output = OutputEstimate(learned=config.output_budget == "typical", board=parts.registry.board)
     proxy_parts = ProxyParts(
         config,
         parts.registry,
@@ -184,9 +187,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             backoff=config.retry_backoff,
             seed=config.seed,
         ),
-        # typical output lengths, learned from the answers (``cap``: max_tokens as sent)
-        OutputEstimate(learned=config.output_budget == "typical", board=parts.registry.board),
+        output,
         Aborter(session),
+        Dispatcher(
+            DispatchOptions(
+                config.dispatch, config.dispatch_slots, config.dispatch_wait, config.dispatch_aging
+            ),
+            output,
+            parts.lock,
+            parts.metrics.held.set,
+        ),
     )
     parts.rankless = Rankless(proxy_parts)
     if config.pd is not None:

@@ -118,7 +118,7 @@ class PairProxy:
             attempts.answered(answer, prefill, decode)
             p.metrics.paired(prefill, decode)
             if call.decoding is not None:
-                learn(p.output, answer, call.decoding, incoming.model)
+                learn(p.output, answer, call.decoding, incoming)
             return answer
 
         return await attempts.run(pools, attempt, "prefill/decode pair")
