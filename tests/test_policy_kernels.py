@@ -129,7 +129,6 @@ CALLED = (
     "least_at",
     "total",
     "affinity",
-    "fewest_tokens",
     "rendezvous",
     "prefix_pick",
     "block_hashes",

@@ -62,25 +62,6 @@ def _affinity(row: Any, slots: Any, match: int, bound: float, start: int) -> int
     return least_at(row, slots, start)
 
 
-def _fewest_tokens(tokens: Any, slots: Any, workers: Any, start: int, scratch: Any) -> int:
-    """The target with the fewest tokens, then whose worker has the fewest, the first from
-    ``start`` (wrapping): ``tokens`` a board row, ``slots``/``workers`` the pool's. The
-    pool's tokens gathered, their least, then the tie-break among the targets holding it
-    (a third faster than one loop comparing as it goes)."""
-    n = slots.shape[0]
-    for i in range(n):
-        scratch[i] = tokens[slots[i]]
-    least = least_value(scratch)
-    best, engine, distance = -1, 0, n
-    for j in range(n):
-        if scratch[j] == least:
-            e = tokens[workers[j]]
-            d = j - start if j >= start else j - start + n
-            if best < 0 or e < engine or (e == engine and d < distance):
-                best, engine, distance = j, e, d
-    return best
-
-
 def _rendezvous(seeds: Any, key: np.uint64, scores: Any) -> int:
     """Where splitmix64(key ^ seed) is highest, the first of equal scores: every score
     first (a loop with no branch, vectorised), then the highest with four independent
@@ -251,7 +232,6 @@ DEFINITIONS: dict[str, Callable[..., Any]] = {
     "least_at": _least_at,
     "affinity": _affinity,
     "total": _total,
-    "fewest_tokens": _fewest_tokens,
     "rendezvous": _rendezvous,
     "prefix_pick": _prefix_pick,
     "block_hashes": _block_hashes,
@@ -273,7 +253,6 @@ first_least: Callable[[Any, int], int] = _later("first_least")
 least_at: Callable[[Any, Any, int], int] = _later("least_at")
 affinity: Callable[[Any, Any, int, float, int], int] = _later("affinity")
 total: Callable[[Any, Any], int] = _later("total")
-fewest_tokens: Callable[[Any, Any, Any, int, Any], int] = _later("fewest_tokens")
 rendezvous: Callable[[Any, np.uint64, Any], int] = _later("rendezvous")
 prefix_pick: Callable[..., int] = _later("prefix_pick")
 block_hashes: Callable[[bytes, Any], int] = _later("block_hashes")
@@ -300,7 +279,6 @@ def warm() -> None:
     least_at(i64, slots, 1)
     total(i64, slots)
     affinity(i64, slots, 1, 1.5, 1)
-    fewest_tokens(i64, slots, slots, 1, i64.copy())
     rendezvous(np.zeros(2, np.uint64), np.uint64(1), np.zeros(2, np.uint64))
     prefix_pick(
         i64, 0, 1, np.zeros((4, 2), np.int64), np.zeros((2, 2)), i64, 1, 1.0, 1.0, 1.0, 1.5, 1, 1
