@@ -207,12 +207,17 @@ async def test_a_killed_serving_process_is_replaced_and_its_counts_released(
         assert in_flight(sup) == 12
         victim = sup.children[0]
         held = int(sup.board.own_inflight[0].sum()) // 2  # its row counts targets and workers
+        work = int(sup.board.own_work[0].sum())  # the decode work its streams had left
+        assert work > 0
         assert victim.pid is not None
         os.kill(victim.pid, signal.SIGKILL)
         assert await until(lambda: sup.replaced == 1 and len(sup.control.listening) == 2)
         assert sup.children[0].pid != victim.pid
         # its streams are gone, and so are their counts; the other process's stand
         assert await until(lambda: in_flight(sup) == 12 - held, seconds=5)
+        with sup.board.step():  # the other process's streams spend theirs meanwhile
+            whole, others = int(sup.board.work.sum()), int(sup.board.own_work[1].sum())
+        assert whole == others  # the killed process's work went with its requests
         assert sum(t.done() for t in tasks) == held
         assert (await post(sup.url, SHORT))[0] == "engine-0"  # still serving
     finally:
@@ -220,6 +225,7 @@ async def test_a_killed_serving_process_is_replaced_and_its_counts_released(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     assert await until(lambda: in_flight(sup) == 0, seconds=10)
+    assert not sup.board.work.any()
 
 
 def linger() -> None:
