@@ -175,13 +175,13 @@ def test_cache_aware_spreads_a_hot_prefix_as_load_grows() -> None:
     assert sum(1 for load in loads if load) >= 8  # spread over many ranks, not piled on one
 
 
-def test_min_tokens_balances_tokens_across_ranks() -> None:
+def test_min_tokens_balances_decode_work_across_ranks() -> None:
     _, targets = fleet(4)
     mt = make_policy("min_tokens")
     guards = []
     for tokens in (1000, 10, 10, 10, 10, 10, 10):
-        t = mt.select(targets, RequestInfo(tokens=tokens))
-        guards.append(Outstanding(t, tokens))
+        t = mt.select(targets, RequestInfo(tokens=tokens, output=tokens))
+        guards.append(Outstanding(t, tokens, tokens))
         guards[-1].__enter__()
     loads = sorted(t.outstanding_tokens for t in targets)
     assert loads == [20, 20, 20, 1000]  # the long request's rank gets nothing more
@@ -209,7 +209,7 @@ def test_fast_scans_choose_exactly_what_the_plain_definitions_choose(
 ) -> None:
     """Policies read loads as tuples (small pools) or numpy arrays (from 128 targets): the
     choice, tie-breaks included, is the plain scan's: the first least from a rotating start
-    (min_tokens: by target tokens, then engine tokens; power_of_two: random.sample's draws)."""
+    (min_tokens: by decode work + load, then tokens; power_of_two: random.sample's draws)."""
     rng = random.Random(3)
     _, targets = fleet(*shape)
     ll, mt = make_policy("least_load"), make_policy("min_tokens")
@@ -220,13 +220,15 @@ def test_fast_scans_choose_exactly_what_the_plain_definitions_choose(
             t.outstanding = rng.choice((0, 0, 1, 2, 5))
             t.reported = rng.choice((0, 0, 3))
             t.outstanding_tokens = rng.choice((0, 100, 100, 700))
+            work = rng.choice((0, 3, 3, 40))
+            t.board.add(t.slot, 0, 0, work=work - t.board.work_of(t.slot))
         expected = min(rotated(targets, step), key=lambda t: t.load)
         assert ll.select(targets, NO_KEY) is expected
-        by_tokens = min(
+        by_cost = min(
             rotated(targets, step),
-            key=lambda t: (t.outstanding_tokens, t.worker.outstanding_tokens),
+            key=lambda t: (t.board.work_of(t.slot) + 2 * t.load, t.token_load),
         )
-        assert mt.select(targets, NO_KEY) is by_tokens
+        assert mt.select(targets, RequestInfo(output=2)) is by_cost
         i, j = twin.sample(range(len(targets)), 2)
         a, b = targets[i], targets[j]
         assert p2.select(targets, NO_KEY) is (b if b.load < a.load else a)

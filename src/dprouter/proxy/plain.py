@@ -95,6 +95,7 @@ class Proxy:
             key=incoming.key,
             text=incoming.text,
             tokens=incoming.tokens,
+            output=incoming.output,
             now=started,
             pool=(kind == "generate", incoming.model, client.pinned),
         )

@@ -86,7 +86,11 @@ class PairProxy:
         p.output.apply(incoming)  # counted by its likely output, not its cap
         call = Call(request, client, started, p)
         info = RequestInfo(
-            key=incoming.key, text=incoming.text, tokens=incoming.tokens, now=started
+            key=incoming.key,
+            text=incoming.text,
+            tokens=incoming.tokens,
+            output=incoming.output,
+            now=started,
         )
         attempts = p.retry.start()
 
