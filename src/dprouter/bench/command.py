@@ -34,7 +34,9 @@ LONG = {"soak": "soak"}  # minutes by design: not part of "all"
 # studies of what lies beneath dprouter (its HTTP stacks, the offline simulator's own
 # speed), not of dprouter: not part of "all" either
 STUDIES = {"stacks": "stacks", "sim-scale": "sim_scale"}
-MODULES = {**SCENARIOS, **LONG, **STUDIES}
+# on a real engine (bash e2e/sglang/prepare.sh), one at a time on the machine: not in "all"
+REAL = {"makespan": "makespan"}
+MODULES = {**SCENARIOS, **LONG, **STUDIES, **REAL}
 PD_MODES = ("sglang", "vllm-nixl", "vllm-mooncake")
 
 
@@ -69,12 +71,26 @@ def scenario(name: str) -> Callable[..., Result]:
     multiple=True,
     help="burst: the P/D flows burst through dprouter [sglang]. Repeatable.",
 )
+@click.option(
+    "--rounds",
+    type=click.IntRange(1),
+    default=None,
+    help="makespan: rounds, each system running the same burst [1 with --quick, else 4].",
+)
+@click.option(
+    "--variant",
+    type=click.Choice(["rollout", "grpo", "both"]),
+    default=None,
+    help="makespan: the bursts [rollout with --quick, else both].",
+)
 def bench(
     scenarios: tuple[str, ...],
     quick: bool,
     out: Path,
     requests: tuple[int, ...],
     pd: tuple[str, ...],
+    rounds: int | None,
+    variant: str | None,
 ) -> None:
     """Measure dprouter: the seed scenarios, the policies, and the peers, side by side."""
     try:
@@ -97,7 +113,16 @@ def bench(
         if "burst" not in names:
             raise click.UsageError("--pd applies to burst only")
         options["burst"]["pd_modes"] = pd
+    for flag, value, key in (("--rounds", rounds, "rounds"), ("--variant", variant, "variant")):
+        if value is not None:
+            if "makespan" not in names:
+                raise click.UsageError(f"{flag} applies to makespan only")
+            options["makespan"][key] = value
     given = [*(f"--requests {n}" for n in requests), *(f"--pd {m}" for m in pd)]
+    given += [
+        *([f"--rounds {rounds}"] if rounds else []),
+        *([f"--variant {variant}"] if variant else []),
+    ]
     command = " ".join(["dprouter bench", *scenarios, *given, *(["--quick"] if quick else [])])
     with tqdm(names, unit="scenario", file=sys.stderr, dynamic_ncols=True) as bar:
         for name in bar:
