@@ -53,7 +53,6 @@ class RequestInfo:
     key: str | None = None  # routing key (session), if the client sent one
     text: str = ""  # prompt text, for prefix affinity
     tokens: int = 0  # estimated prompt + output tokens
-    output: int = 0  # of which the predicted output (decode) tokens
     now: float = 0.0  # monotonic seconds, for expiring idle keys
     pool: Hashable = None  # which pool the targets come from (role, model, ...): counters per pool
     attempt: int = 0  # > 0: a retry after a failed attempt, over the targets not yet tried

@@ -95,7 +95,6 @@ class Proxy:
             key=incoming.key,
             text=incoming.text,
             tokens=incoming.tokens,
-            output=incoming.output,
             now=started,
             pool=(kind == "generate", incoming.model, client.pinned),
         )

@@ -76,7 +76,7 @@ class SimRouter:
             found = self.feed.prefix(self.pool, arrival.prompt_ids, cluster.now)
         prefix = found.prefix if found is not None else None
         info = RequestInfo(
-            key=arrival.key, text=text, tokens=tokens, output=output, now=cluster.now, prefix=prefix
+            key=arrival.key, text=text, tokens=tokens, now=cluster.now, prefix=prefix
         )
         target: Target = self.policy.select(self.pool, info)
         if found is not None and self.feed is not None:

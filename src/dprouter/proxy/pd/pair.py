@@ -89,7 +89,6 @@ class PairProxy:
             key=incoming.key,
             text=incoming.text,
             tokens=incoming.tokens,
-            output=incoming.output,
             now=started,
         )
         attempts = p.retry.start()
