@@ -211,8 +211,9 @@ class Dispatcher:
         for queue in self.queues.values():
             changed = False
             for held in queue:
-                if held.incoming.group == group and not held.cancelled:
-                    self.output.apply(held.incoming)
+                incoming = held.incoming
+                if incoming.group == group and not incoming.exact and not held.cancelled:
+                    self.output.apply(incoming)
                     self._order(held)
                     changed = True
             if changed:

@@ -114,11 +114,13 @@ class OutputEstimate:
         groups = self.groups
         mean, n = groups.pop(group, (0.0, 0))
         n = min(n + 1, GROUP_MEMORY)
-        groups[group] = (mean + (generated - mean) / n, n)
+        new = mean + (generated - mean) / n
+        groups[group] = (new, n)
         if len(groups) > GROUPS:
             groups.popitem(last=False)
-        for listener in self.listeners:
-            listener(group)
+        if n == 1 or round(new) != round(mean):  # a prediction changed: say so
+            for listener in self.listeners:
+                listener(group)
 
     def budget(self, limit: int | None, model: str | None = None) -> int:
         """The output tokens to count for a request whose cap is ``limit`` (None: unset)."""
