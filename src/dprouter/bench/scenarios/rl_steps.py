@@ -34,6 +34,7 @@ DP_ENGINE = EngineConfig(
         step_base=2e-3, decode_per_seq=1e-4, prefill_per_token=4e-5, decode_per_kv_token=2e-7
     ),
     limits=RankLimits(max_running=MAX_RUNNING, kv_tokens=KV_TOKENS),
+    mixed_chunk=True,  # as measured (report of 2026-12-01); SGLang's default is unmixed
 )
 TP_ENGINE = EngineConfig(
     persona="sglang",
@@ -42,6 +43,7 @@ TP_ENGINE = EngineConfig(
         step_base=2e-3, decode_per_seq=2.5e-5, prefill_per_token=1e-5, decode_per_kv_token=5e-8
     ),
     limits=RankLimits(max_running=MAX_RUNNING * DP, kv_tokens=KV_TOKENS * DP),
+    mixed_chunk=True,
 )
 
 

@@ -39,6 +39,7 @@ class Endpoints:
             web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
+            web.get("/sim/steps", self.steps),
         ]
         if self.server.persona.name == "vllm":
             return [
@@ -94,6 +95,21 @@ class Endpoints:
     async def metrics(self, _: web.Request) -> web.Response:
         body = generate_latest(self.server.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def steps(self, _: web.Request) -> web.Response:
+        """The simulator's own: each rank's steps, of which decode and prefill steps (a
+        real SGLang logs each decode step of each rank with ``--decode-log-interval 1``)."""
+        ranks = [
+            {
+                "dp_rank": r.index,
+                "steps": r.stats.steps,
+                "decode_steps": r.stats.decode_steps,
+                "prefill_steps": r.stats.prefill_steps,
+                "busy_seconds": r.stats.busy_time,
+            }
+            for r in self.server.engine.ranks
+        ]
+        return web.json_response({"engine": self.server.engine_id, "ranks": ranks})
 
     async def ping(self, _: web.Request) -> web.Response:
         return web.Response(status=200)

@@ -64,8 +64,11 @@ def server_args(config: EngineConfig, bootstrap_port: int | None) -> dict[str, A
         "disaggregation_mode": c.pd.role if c.pd else "null",
         "disaggregation_bootstrap_port": bootstrap_port,
         "page_size": c.limits.block_size,
-        "max_running_requests": c.limits.max_running,
+        # the engine's --max-running-requests: split among attention-DP ranks (each
+        # reports its share), whole for each replica of plain DP (SGLang 0.5.23)
+        "max_running_requests": c.limits.max_running * (c.dp_size if c.dp_attention else 1),
         "chunked_prefill_size": c.cost.max_batched_tokens,
+        "enable_mixed_chunk": c.mixes_chunks,
     }
 
 

@@ -143,6 +143,9 @@ class EngineConfig:
     legacy_sglang: bool = False
     stats_interval: float = 0.1  # vLLM: coordinator publishes rank counts this often
     reserve_locally: bool = False  # vLLM >= 0.10 adds +1 waiting per dispatch between snapshots
+    # a prefill chunk shares its step with the decodes (vLLM); None: the persona's way,
+    # SGLang's being a prefill batch that runs alone and first (no --enable-mixed-chunk)
+    mixed_chunk: bool | None = None
     model: str = "sim-model"
     time_scale: float = 1.0  # wall seconds per virtual second (0.1 runs 10x faster)
     cost: CostModel = field(default_factory=CostModel)
@@ -173,6 +176,12 @@ class EngineConfig:
     @property
     def dispatch_choices(self) -> tuple[Dispatch, ...]:
         return LEGACY_SGLANG_DISPATCH if self.legacy_sglang else SGLANG_DISPATCH
+
+    @property
+    def mixes_chunks(self) -> bool:
+        if self.mixed_chunk is not None:
+            return self.mixed_chunk
+        return self.persona == "vllm"
 
     @property
     def dispatch_mode(self) -> Dispatch:

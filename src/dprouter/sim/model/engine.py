@@ -101,7 +101,15 @@ class Engine:
         self.engine_id = engine_id
         slow = config.faults.slow_ranks
         self.ranks = [
-            Rank(i, config.limits, config.cost, slow.get(i, 1.0), track_tokens, record_events)
+            Rank(
+                i,
+                config.limits,
+                config.cost,
+                slow.get(i, 1.0),
+                track_tokens,
+                record_events,
+                mixed=config.mixes_chunks,
+            )
             for i in range(config.dp_size)
         ]
         if config.dp_attention:

@@ -3,6 +3,12 @@
 A step is planned (admission, chunked prefill, decode batch, cost) when it
 starts and committed when it ends; requests that arrive or are aborted while a
 step runs take effect at the next step, as in a real engine's busy loop.
+
+Mixed (vLLM), a step decodes every running sequence and fills what is left of
+the token budget with prefill chunks. Unmixed (SGLang without
+``--enable-mixed-chunk``), a step with prefill work runs it alone and first;
+the decodes wait for the next step, so a request of N output tokens costs its
+rank N - 1 decode steps, its first token coming from the prefill.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class RankPlan:
     steps: int  # > 1 only for decode-only work: steps until the first request finishes
     waiting: int  # queue length once admission is done
     running: int  # batch size once admission is done
+    prefill_tokens: int = 0
 
 
 @dataclass
@@ -50,12 +57,14 @@ class Rank:
         slow: float = 1.0,
         track_tokens: bool = True,
         record_events: bool = False,
+        mixed: bool = True,
     ) -> None:
         self.index = index
         self.limits = limits
         self.cost = cost
         self.slow = slow
         self.track_tokens = track_tokens
+        self.mixed = mixed
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.decoding = DecodeBatch()
@@ -90,7 +99,7 @@ class Rank:
         several identical steps at once (the offline simulator's fast path)."""
         self._admit(now)
         n_decode = len(self.decoding)
-        budget = self.cost.max_batched_tokens - n_decode
+        budget = self.cost.max_batched_tokens - (n_decode if self.mixed else 0)
         chunks: list[tuple[SimRequest, int]] = []
         prefill_tokens = 0
         for req in self.prefilling:
@@ -100,6 +109,8 @@ class Rank:
             chunks.append((req, n))
             budget -= n
             prefill_tokens += n
+        if prefill_tokens and not self.mixed:
+            n_decode = 0  # the prefill batch runs alone (KV sent by a prefill engine does not)
         if not n_decode and not chunks:
             return None
         c = self.cost
@@ -111,7 +122,7 @@ class Rank:
             steps = min(max_steps, self.decoding.steps_to_next_finish())
             if growth > 0:
                 steps = min(steps, KV_RUN)  # a step's cost drifts as the KV grows
-        decode = list(self.decoding.members.values()) if self.track_tokens else []
+        decode = list(self.decoding.members.values()) if self.track_tokens and n_decode else []
         return RankPlan(
             cost * self.slow,
             growth,
@@ -121,6 +132,7 @@ class Rank:
             steps,
             len(self.waiting),
             self.num_running,
+            prefill_tokens,
         )
 
     def step_cost(self, plan: RankPlan, steps: int) -> float:
@@ -157,8 +169,10 @@ class Rank:
         steps = plan.steps
         stats.busy_time += self.step_cost(plan, steps) * steps
         stats.steps += steps
+        stats.prefill_steps += 1 if plan.prefill_tokens else 0
         decoding = self.decoding
-        if decoding:
+        if plan.n_decode and decoding:
+            stats.decode_steps += steps
             # requests aborted during the step have already left the batch
             self.kv_used += steps * len(decoding)
             stats.generation_tokens += steps * len(decoding)

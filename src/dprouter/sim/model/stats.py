@@ -61,4 +61,9 @@ class RankStats:
     prefix_hits: int = 0  # of those, tokens found
     busy_time: float = 0.0  # virtual seconds this rank had its own work in a step
     steps: int = 0
+    # steps that decoded (SGLang logs one "Decode batch" line per rank for each) and
+    # steps that ran a prefill chunk: under DP attention the busiest rank's decode
+    # steps are the cost of a burst, whatever the wall time
+    decode_steps: int = 0
+    prefill_steps: int = 0
     ttft: Histogram = field(default_factory=Histogram)
