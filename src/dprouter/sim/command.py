@@ -1,24 +1,31 @@
-"""``dprouter sim``: start simulated engines from the command line."""
+"""``dprouter sim``: start simulated engines from the command line; ``dprouter sim
+calibrate``: measure a real engine into a persona file they can start from."""
 
 from __future__ import annotations
 
 import asyncio
+import shlex
 import signal
+import sys
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import click
+from click.core import ParameterSource
 
 from dprouter.core.types import PD_MODES
+from dprouter.sim.calibrate import Calibration
 from dprouter.sim.http.cluster import SimCluster
+from dprouter.sim.model import persona_file
 from dprouter.sim.model.config import (
     LEGACY_SGLANG_DISPATCH,
     SGLANG_DISPATCH,
     EngineConfig,
     Faults,
     PdConfig,
-    RankLimits,
 )
 from dprouter.sim.model.kvevents import KvEventsConfig
 from dprouter.sim.model.vocab import ensure_tokenizer
@@ -37,8 +44,16 @@ def slow_rank(text: str) -> tuple[int, float]:
         ) from None
 
 
-def build(o: dict[str, Any]) -> list[EngineConfig]:
-    """One config per engine (P/D engines each get their own bootstrap port)."""
+def build(
+    o: dict[str, Any], base: EngineConfig | None = None, given: Collection[str] | None = None
+) -> list[EngineConfig]:
+    """One config per engine (P/D engines each get their own bootstrap port). With a
+    ``base`` (a persona file's), only the options in ``given`` override it."""
+
+    def pick(option: str, current: Any) -> Any:
+        return o[option] if base is None or given is None or option in given else current
+
+    b = base or EngineConfig()
     slow = dict(slow_rank(s) for s in o["slow_ranks"])
     pd = None
     if o["pd"] or o["role"]:
@@ -52,26 +67,31 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
             bootstrap_port=o["bootstrap_port"],
             kv_wait=o["kv_wait"],
         )
-    persona = pd.persona if pd is not None else o["persona"]
+    persona = pd.persona if pd is not None else pick("persona", b.persona)
     kv = KvEventsConfig()
     if o["kv_events_config"]:
         kv = KvEventsConfig.from_json(o["kv_events_config"])
     tokenizer = o["tokenizer"]
     if tokenizer is not None and ensure_tokenizer(Path(tokenizer)):
         click.echo(f"wrote the simulator's tokenizer files to {tokenizer}", err=True)
-    config = EngineConfig(
+    limits = b.limits
+    config = replace(
+        b,
         persona=persona,
-        dp_size=o["dp_size"],
-        tp_size=o["tp_size"],
-        dp_attention=o["dp_attention"],
-        dispatch=o["dispatch"],
-        legacy_sglang=o["legacy_sglang"],
-        stats_interval=o["stats_interval"],
-        reserve_locally=o["reserve_locally"],
-        model=o["model"],
-        time_scale=o["time_scale"],
-        limits=RankLimits(
-            max_running=o["max_running"], kv_tokens=o["kv_tokens"], max_model_len=o["max_model_len"]
+        dp_size=pick("dp_size", b.dp_size),
+        tp_size=pick("tp_size", b.tp_size),
+        dp_attention=pick("dp_attention", b.dp_attention),
+        dispatch=pick("dispatch", b.dispatch),
+        legacy_sglang=pick("legacy_sglang", b.legacy_sglang),
+        stats_interval=pick("stats_interval", b.stats_interval),
+        reserve_locally=pick("reserve_locally", b.reserve_locally),
+        model=pick("model", b.model),
+        time_scale=pick("time_scale", b.time_scale),
+        limits=replace(
+            limits,
+            max_running=pick("max_running", limits.max_running),
+            kv_tokens=pick("kv_tokens", limits.kv_tokens),
+            max_model_len=pick("max_model_len", limits.max_model_len),
         ),
         faults=Faults(slow_ranks=slow, fail_rate=o["fail_rate"]),
         pd=pd,
@@ -88,8 +108,15 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
     return configs
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--persona", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True)
+@click.option(
+    "--persona-file",
+    default=None,
+    metavar="NAME|FILE",
+    help="Start from a persona file (shape, limits, step costs) written by `dprouter sim "
+    "calibrate`, or a shipped one by name: sglang-cpu. Options given override it.",
+)
 @click.option("--engines", type=click.IntRange(1, 256), default=1, show_default=True)
 @click.option("--dp-size", type=click.IntRange(1, 1024), default=1, show_default=True)
 @click.option("--tp-size", type=click.IntRange(1, 64), default=1, show_default=True)
@@ -191,10 +218,16 @@ def build(o: dict[str, Any]) -> list[EngineConfig]:
     show_default=True,
     help="First engine's port; engine i listens on PORT+i (0: any free port).",
 )
-def sim(host: str, port: int, **options: Any) -> None:
+@click.pass_context
+def sim(ctx: click.Context, /, host: str, port: int, **options: Any) -> None:
     """Start N simulated engines with DP ranks and serve until interrupted."""
+    if ctx.invoked_subcommand is not None:
+        return
     try:
-        configs = build(options)
+        path = options.pop("persona_file")
+        base = persona_file.load(path) if path else None
+        given = {o for o in options if ctx.get_parameter_source(o) != ParameterSource.DEFAULT}
+        configs = build(options, base, given)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     asyncio.run(serve_cluster(configs, host, port))
@@ -229,3 +262,40 @@ async def serve_cluster(configs: list[EngineConfig], host: str, port: int) -> No
         await stop.wait()
     finally:
         await cluster.stop()
+
+
+@sim.command()
+@click.option(
+    "--url", required=True, help="The running SGLang engine, e.g. http://127.0.0.1:31600."
+)
+@click.option(
+    "--log",
+    "log_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The engine's log; it must log each decode step (--decode-log-interval 1).",
+)
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--repeats", type=click.IntRange(1, 20), default=5, show_default=True)
+@click.option(
+    "--decode-tokens",
+    type=click.IntRange(8, 1024),
+    default=96,
+    show_default=True,
+    help="Output tokens of each request of a decode burst.",
+)
+def calibrate(url: str, log_path: Path, out: Path, repeats: int, decode_tokens: int) -> None:
+    """Measure a running SGLang engine's step costs into a persona file (takes minutes)."""
+    run = Calibration(url, log_path, repeats, decode_tokens)
+    try:
+        config, measured = asyncio.run(run.run())
+    except (OSError, RuntimeError, KeyError, ValueError, aiohttp.ClientError) as exc:
+        raise click.ClickException(f"calibration failed: {exc!r}") from None
+    made_by = shlex.join(["dprouter", *sys.argv[1:]])
+    out.write_text(persona_file.dump(config, made_by, measured))
+    c = config.cost
+    click.echo(
+        f"wrote {out}: step_base {c.step_base * 1e3:.2f} ms, decode_per_seq "
+        f"{c.decode_per_seq * 1e3:.3f} ms, prefill_per_token {c.prefill_per_token * 1e6:.2f} us, "
+        f"decode_per_kv_token {c.decode_per_kv_token * 1e9:.2f} ns"
+    )
