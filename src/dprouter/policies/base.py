@@ -134,8 +134,9 @@ class ByPool(Generic[P]):
     """What a policy keeps per pool (``make(pool)``), by pool identity: a snapshot's pools
     are kept tuples. The last pool's is found without a lookup."""
 
-    def __init__(self, make: Callable[[Sequence[Target]], P]) -> None:
-        kernels.warm()  # the scans loaded when the policy is made, not on its first request
+    def __init__(self, make: Callable[[Sequence[Target]], P], scans: bool = True) -> None:
+        if scans:  # the compiled scans loaded when the policy is made, not on a request
+            kernels.warm()
         self.make = make
         self._kept: dict[int, P] = {}
         self._last: P | None = None
@@ -153,9 +154,10 @@ class ByPool(Generic[P]):
         return found
 
 
-def readers() -> ByPool[Reader]:
-    """A policy's readers of the board, by pool."""
-    return ByPool(Reader)
+def readers(scans: bool = True) -> ByPool[Reader]:
+    """A policy's readers of the board, by pool; ``scans`` False: for a reader that only
+    gathers rows with numpy, which need no compiled kernel (nor numba's ~135 MB)."""
+    return ByPool(Reader, scans)
 
 
 def first_least(values: npt.NDArray[np.float64], start: int) -> int:

@@ -11,9 +11,10 @@ loads them before the first request. No fastmath: it would reorder the float ste
 
 numba is imported on the first use of a kernel, not with this module: importing it
 costs ~65 MB and ~0.15 s, and loading the kernels ~70 MB more, which a router whose
-policy scans nothing (``round_robin``, the default; ``random``; ``power_of_two``)
-never pays, in each of its serving processes. Call a kernel as ``kernels.name``:
-a name imported from here before ``load`` stays the stand-in that loads them.
+policy scans nothing (``round_robin``, the default; ``random``; ``power_of_two``;
+``min_tokens``, numpy alone) never pays, in each of its serving processes. Call a
+kernel as ``kernels.name``: a name imported from here before ``load`` stays the
+stand-in that loads them.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class MinTokens:
 
     def __init__(self, options: PolicyOptions) -> None:
         self.start = 0
-        self.readers = readers()
+        self.readers = readers(scans=False)  # numpy gathers: no compiled scan
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1

@@ -42,12 +42,12 @@ import numpy as np
 from dprouter.core.types import DispatchMode, Incoming
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
+from dprouter.policies.base import readers
 from dprouter.proxy.output_budget import OutputEstimate
 
 Pick = Callable[[Sequence[Target]], Outstanding]  # the policy's pick among free targets
 POLL = 0.05  # seconds between looks at the board while requests are held (one process)
 POLL_SHARED = 0.005  # ... under --processes: another process may have freed a slot
-CACHED = 64  # pools whose board indices are kept
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,9 @@ class Dispatcher:
         self.held = 0  # requests waiting now, in this process
         self._groups: Counter[int] = Counter()  # groups of the requests held
         self._seq = itertools.count()
-        self._indices: dict[int, tuple[Sequence[Target], np.ndarray]] = {}
+        self.readers = readers(
+            scans=False
+        )  # each pool's slots on the board, as the policies read it
         self._poller: asyncio.Task[None] | None = None
         self._pumping = False
         if options.mode != "off":
@@ -112,28 +114,15 @@ class Dispatcher:
 
     # -- which targets have a free slot ----------------------------------------------
 
-    def _index(self, candidates: Sequence[Target]) -> np.ndarray:
-        kept = self._indices.get(id(candidates))
-        if kept is not None and kept[0] is candidates:
-            return kept[1]
-        if len(self._indices) >= CACHED:
-            self._indices.clear()
-        index = np.fromiter((t.slot for t in candidates), np.intp, len(candidates))
-        self._indices[id(candidates)] = (candidates, index)
-        return index
-
     def free(self, candidates: Sequence[Target]) -> Sequence[Target] | None:
         """The candidates with a free running slot, by the board (the engines' reports and
         what the router sent since); None: not dispatching for them (a target's cap is
         unknown)."""
-        board = candidates[0].board
-        index = self._index(candidates)
-        if self.options.slots:
-            caps = np.full(len(candidates), self.options.slots, np.int64)
-        else:
-            caps = board.cap[index]
-            if not caps.all():
-                return None
+        reader = self.readers.of(candidates)
+        board, index = reader.board, reader.index
+        caps = self.options.slots or board.cap[index]
+        if not np.all(caps):
+            return None
         room = board.load[index] < caps
         if room.all():
             return candidates
@@ -147,8 +136,7 @@ class Dispatcher:
             free = self.free(candidates)
             if free is not None and not free:
                 return None
-            counted = pick(candidates if free is None else free)
-            return counted if counted.claimed else counted.claim()
+            return pick(candidates if free is None else free).claim()
 
     # -- holding ---------------------------------------------------------------------
 
