@@ -185,6 +185,7 @@ async def test_a_group_is_predicted_by_its_first_samples_to_finish(
     assert await until(lambda: len(engine.received) == 2 + 2 * SLOTS)
     queued = [asyncio.create_task(generate(http, router.url, b)) for b in [short, long] * 4]
     assert await until(lambda: held(router) == 8)
+    assert await metric_sum(http, router.url, "dprouter_held_requests") == 8
     await asyncio.gather(*running, *queued)
     order = [r.body["text"] for r in list(engine.received)[2 + 2 * SLOTS :]]
     assert order == [long["text"]] * 4 + [short["text"]] * 4
