@@ -13,13 +13,12 @@ ends (``offset``), and a line still being written is never counted.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections import Counter
 from pathlib import Path
 
-# the rank's tag: "DP1 TP1" under DP, none for a single rank (rank 0)
-DECODE = re.compile(rb"^\[[^\]]*?(?:\bDP(\d+)\b[^\]]*)?\] Decode batch")
+from dprouter.sim.calibrate import LINE  # the one statement of a decode step's line
+
 CHUNK = 1 << 16
 
 
@@ -46,9 +45,9 @@ def steps(path: Path, start: int, end: int) -> dict[int, int]:
         data = f.read(max(0, end - start))
     counts: Counter[int] = Counter()
     for line in data.split(b"\n")[:-1]:  # the last piece is empty or unfinished
-        found = DECODE.match(line)
+        found = LINE.match(line.decode(errors="replace"))
         if found is not None:
-            counts[int(found[1] or 0)] += 1
+            counts[int(found["rank"] or 0)] += 1
     return dict(sorted(counts.items()))
 
 

@@ -19,10 +19,11 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from dprouter.sim.calibrate import VOCABULARY  # token ids a tiny model's vocabulary holds
+
 DECODE_MEDIAN, DECODE_SIGMA, DECODE_CLIP = 32, 1.0, (4, 384)
 PROMPT_MEDIAN, PROMPT_SIGMA, PROMPT_CLIP = 64, 1.0, (8, 600)
 GROUP_SPREAD = 0.25  # sigma of a sample's length around its prompt's (GRPO)
-VOCABULARY = (10, 900)  # token ids a tiny model's vocabulary holds, past its specials
 
 
 @dataclass(frozen=True, slots=True)
