@@ -12,6 +12,7 @@ same two functions; ``test_kv_keys`` pins that they agree.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from hashlib import blake2b
 
 import numpy as np
 import numpy.typing as npt
@@ -41,12 +42,14 @@ def _mixed(tokens: npt.NDArray[np.integer], start: int) -> U64:
 
 
 def root(lora: int | str | None) -> int:
-    """Where a chain starts: 0 for the base model; an adapter's blocks start elsewhere,
-    so they never match a base-model prompt."""
-    if lora is None or lora == 0:
+    """Where a chain starts: 0 for the base model; an adapter's blocks start at a digest
+    of its name, so they match only prompts sent to that adapter (a name and an integer
+    id are digested apart: an event that says only ``lora_id`` is matched by no prompt,
+    as a request names its adapter, never its id)."""
+    if lora is None or lora == 0 or lora == "":
         return 0
-    text = str(lora).encode()
-    return _mix(int.from_bytes(text[:8].ljust(8, b"\0"), "big") ^ len(text)) or 1
+    text = (b"id:%d" % lora) if isinstance(lora, int) else b"name:" + lora.encode()
+    return int.from_bytes(blake2b(text, digest_size=8).digest(), "big") or 1
 
 
 def chain(parent: int, depth: int, tokens: Sequence[int], block_size: int) -> list[int]:

@@ -13,18 +13,21 @@ import numpy.typing as npt
 
 from dprouter.core.types import Incoming, Kind
 from dprouter.engines.kvevents.index import KvIndex, Rank
-from dprouter.engines.kvevents.keys import prompt_keys
-from dprouter.engines.kvevents.prompt import Tokens, for_request
+from dprouter.engines.kvevents.keys import prompt_keys, root
+from dprouter.engines.kvevents.prompt import Tokens, asked, for_request
 from dprouter.fleet.targets import Target
 from dprouter.policies import Prefix
+
+Group = tuple[int, str | None]  # (block size, dialect): one chain of keys for the prompt
 
 
 @dataclass(frozen=True)
 class Ranks:
-    """A pool's ranks in the index."""
+    """A pool's ranks in the index, and its models' ``/v1/models`` parents (adapters')."""
 
-    groups: dict[int, tuple[int, dict[int, str]]]  # block size -> (mask of bits, label by bit)
-    by_label: dict[str, Rank]
+    groups: dict[Group, tuple[int, dict[int, str]]]  # -> (mask of bits, label by bit)
+    by_label: dict[str, tuple[Rank, Group]]
+    parents: dict[str, str | None]
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class Found:
     """A prompt looked up: what the policy reads, and its keys for ``Matcher.sent``."""
 
     prefix: Prefix
-    keys: dict[int, list[int]]  # block size -> the prompt's block keys
+    keys: dict[Group, list[int]]  # the prompt's block keys
     ranks: Ranks
 
 
@@ -60,47 +63,64 @@ class Matcher:
     def __init__(self, index: KvIndex) -> None:
         self.index = index
         self.queued = PendingRow(index)
-        self._cached: tuple[Sequence[Target] | None, int, Ranks] = (None, -1, Ranks({}, {}))
+        self._cached: tuple[Sequence[Target] | None, int, Ranks]
+        self._cached = (None, -1, Ranks({}, {}, {}))
 
     def ranks(self, pool: Sequence[Target]) -> Ranks:
         """Kept while the pool (a snapshot's tuple) and the index's ranks are the same."""
         kept, version, found = self._cached
         if kept is pool and version == self.index.version:
             return found
-        found = Ranks({}, {})
+        found = Ranks({}, {}, {})
         for t in pool:
             rank = self.index.ranks.get((t.worker.id, t.rank or 0))
             if rank is not None and rank.block_size:
-                mask, labels = found.groups.get(rank.block_size, (0, {}))
+                group = (rank.block_size, t.worker.dialect)
+                mask, labels = found.groups.get(group, (0, {}))
                 labels[rank.bit] = t.label
-                found.groups[rank.block_size] = (mask | 1 << rank.bit, labels)
-                found.by_label[t.label] = rank
+                found.groups[group] = (mask | 1 << rank.bit, labels)
+                found.by_label[t.label] = (rank, group)
+            for card in t.worker.cards.values():
+                parent = card.get("parent")
+                found.parents.setdefault(card["id"], parent if isinstance(parent, str) else None)
         self._cached = (pool, self.index.version, found)
         return found
 
-    def match(self, pool: Sequence[Target], ids: npt.NDArray[np.integer], now: float) -> Found:
-        """``ids`` against what the pool's ranks hold or have pending, at ``now``."""
+    def match(
+        self,
+        pool: Sequence[Target],
+        ids: npt.NDArray[np.integer],
+        now: float,
+        adapters: Mapping[str | None, str | None] | None = None,
+    ) -> Found:
+        """``ids`` against what the pool's ranks hold or have pending, at ``now``; sent to
+        ``adapters[dialect]`` (None or missing: the base model), whose blocks chain apart."""
         index = self.index
         index.expire(now)
         ranks = self.ranks(pool)
         held: dict[str, int] = {}
-        keys: dict[int, list[int]] = {}
-        for size, (among, labels) in ranks.groups.items():
-            keys[size] = prompt_keys(ids, size)
-            for bit, blocks in index.match(keys[size], among).items():
+        keys: dict[Group, list[int]] = {}
+        chains: dict[tuple[int, int], list[int]] = {}  # (size, root): dialects that agree share
+        for group, (among, labels) in ranks.groups.items():
+            size, start = group[0], root(adapters.get(group[1]) if adapters else None)
+            if (size, start) not in chains:
+                chains[size, start] = prompt_keys(ids, size, start)
+            keys[group] = chains[size, start]
+            for bit, blocks in index.match(keys[group], among).items():
                 held[labels[bit]] = blocks * size
         queued = self.queued if index.pending else None
         return Found(Prefix(len(ids), held, queued), keys, ranks)
 
     def sent(self, found: Found, target: Target, now: float) -> None:
         """The prompt went to ``target``: its blocks not held there are pending there."""
-        rank = found.ranks.by_label.get(target.label)
-        if rank is not None and self.index.ranks.get(rank.name) is rank:
-            self.index.expect(rank, found.keys[rank.block_size], now)
+        known = found.ranks.by_label.get(target.label)
+        if known is not None and self.index.ranks.get(known[0].name) is known[0]:
+            self.index.expect(known[0], found.keys[known[1]], now)
 
 
 class Lookup:
-    """The request path's side: the prompt tokenised as its model's engine does."""
+    """The request path's side: the prompt tokenised as its model's engine does, looked up
+    in the chain of the adapter the engine would run it with."""
 
     def __init__(
         self, tokens: Mapping[str | None, Tokens], index: KvIndex, pool: ThreadPoolExecutor
@@ -116,13 +136,18 @@ class Lookup:
     async def find(
         self, kind: Kind, incoming: Incoming, pool: Sequence[Target], now: float
     ) -> Found | None:
-        tokens = for_request(self.tokens, incoming)
-        if tokens is None or not self.matcher.ranks(pool).groups:
+        ranks = self.matcher.ranks(pool)
+        if not ranks.groups:
             return None  # nothing to match against: not even tokenised
+        wanted = {d: asked(d, incoming, ranks.parents) for _, d in ranks.groups}
+        tokens = for_request(self.tokens, incoming, next(iter(wanted.values())).base)
+        if tokens is None:
+            return None
         ids = await tokens.ids(kind, incoming.body)
         if ids is None or not len(ids):
             return None
-        return self.matcher.match(pool, ids, now)  # the index may have moved meanwhile
+        adapters = {d: a.adapter for d, a in wanted.items()}
+        return self.matcher.match(pool, ids, now, adapters)  # the index may have moved meanwhile
 
     def sent(self, found: Found, target: Target, now: float) -> None:
         self.matcher.sent(found, target, now)

@@ -21,6 +21,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,5 +164,43 @@ def load(
     return {model: Tokens(ModelTokenizer(d), pool, capacity) for model, d in dirs.items()}
 
 
-def for_request(found: Mapping[str | None, Tokens], incoming: Incoming) -> Tokens | None:
-    return found.get(incoming.model) or found.get(None)
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks of engines of one dialect: the adapter that runs it (None:
+    the base model), and the base model, whose tokenizer encodes its prompt."""
+
+    adapter: str | None
+    base: str | None
+
+
+def asked(dialect: str | None, incoming: Incoming, parents: Mapping[str, str | None]) -> Asked:
+    """The adapter as the engine picks it. ``parents``: the pool's ``/v1/models`` cards,
+    id -> ``parent`` (an adapter's base model; None for a base model).
+
+    - vLLM: ``model`` names a loaded adapter, a card with a parent (0.32.0,
+      ``entrypoints/serve/engine/serving.py`` ``_maybe_get_adapters``);
+    - SGLang: ``model`` written ``base:adapter``, else the body's ``lora_path`` (a
+      batch's first); a bare adapter name in ``model`` runs the base model (0.5.23,
+      ``entrypoints/openai/serving_base.py`` ``_parse_model_parameter``)."""
+    model = incoming.model
+    if dialect != "sglang":
+        parent = parents.get(model) if model is not None else None
+        if parent is None or parent == model:
+            return Asked(None, model)
+        return Asked(model, parent)
+    if model and ":" in model and parents.get(model, "") is not None:  # not a base's name
+        bases = (m for m, p in parents.items() if p is None and model.startswith(m + ":"))
+        at = len(next(bases, "")) or model.index(":")  # the served name, else the first colon
+        if name := model[at + 1 :].strip():
+            return Asked(name, model[:at].strip())
+    path = incoming.body.get("lora_path")
+    if isinstance(path, list):
+        path = path[0] if path else None
+    return Asked(path if isinstance(path, str) and path else None, model)
+
+
+def for_request(
+    found: Mapping[str | None, Tokens], incoming: Incoming, base: str | None = None
+) -> Tokens | None:
+    """The model's own tokenizer, else its base model's (an adapter's), else the default."""
+    return found.get(incoming.model) or found.get(base) or found.get(None)

@@ -9,6 +9,12 @@ group_idx, ...]`` (fields after ``lora_id`` only in newer engines; trailing defa
 omitted) or a map with a ``"type"`` key and the same field names. The field order is
 vLLM's ``vllm/distributed/kv_events.py`` and SGLang's
 ``python/sglang/srt/disaggregation/kv_events.py``. Block hashes are ints or bytes.
+
+An adapter's blocks are known by ``lora_name`` where the event has it (vLLM 0.32 sends
+both, the name beside its load-time ``lora_id``; SGLang 0.5.23 only the name, its
+``lora_id`` is always None): the name is what a request sends, the id is not.
+SGLang's map has other fields between ``medium`` and ``lora_name`` (``cache_salt``,
+``session_id``); it sends maps, so the array order above is vLLM's only.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ class Stored:
     parent: Hash | None
     tokens: Sequence[int]
     block_size: int
-    lora: int | str | None = None  # lora_id, or lora_name when only that is sent
+    lora: int | str | None = None  # lora_name where sent (what a request names), else lora_id
     medium: str | None = None
     group: int | None = None
 
@@ -85,13 +91,13 @@ def event(raw: Any) -> Event | None:
         raise BadFrame(f"an event is a tagged array or a map, got {type(raw).__name__}")
     if tag == "BlockStored":
         f = _fields(raw, (*STORED_FIELDS, *STORED_LATER))
-        lora = f.get("lora_id")
+        name = f.get("lora_name")
         return Stored(
             hashes=f["block_hashes"],
             parent=f.get("parent_block_hash"),
             tokens=f["token_ids"],
             block_size=int(f["block_size"]),
-            lora=f.get("lora_name") if lora is None else lora,
+            lora=name if isinstance(name, str) and name else f.get("lora_id"),
             medium=f.get("medium"),
             group=f.get("group_idx"),
         )
