@@ -81,7 +81,11 @@ class Endpoints:
             "parent": None,
             "max_model_len": config.limits.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        adapters = [  # as vLLM and SGLang list a loaded adapter: its base is its parent
+            {**card, "id": name, "root": f"/sim/lora/{name}", "parent": config.model}
+            for name in config.lora_modules
+        ]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await handle(self.server, request, "completion")

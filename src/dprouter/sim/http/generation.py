@@ -91,9 +91,14 @@ class Generation:
             parsed = parse(self.kind, body, self.server.encoder)
         except ValueError as exc:
             return self.fail(400, str(exc))
-        message = server.persona.model_error(parsed.model, server.config.model)
+        adapters = server.config.adapters
+        message = server.persona.model_error(parsed.model, server.config.model, adapters)
         if message is not None:
             return self.fail(404, message, "NotFoundError", "model")
+        try:
+            lora = server.persona.adapter(body, server.config.model, adapters)
+        except ValueError as exc:
+            return self.fail(400, str(exc))
         try:
             rank = server.persona.pinned_rank(
                 self.request.headers, body, server.config.dp_size, self.kind
@@ -130,6 +135,7 @@ class Generation:
             rank,
             room if isinstance(room, int) else None,
             remote_kv=self.remote_kv,
+            lora=None if lora is None else adapters[lora],
         )
         try:
             queue = server.runner.submit(req)

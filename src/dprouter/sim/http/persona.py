@@ -1,8 +1,8 @@
-"""The two engine personas: how each words errors and reads a pinned rank."""
+"""The two engine personas: how each words errors, reads a pinned rank and an adapter."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol
 
 from dprouter.sim.http.protocol import Kind
@@ -23,7 +23,16 @@ class Persona(Protocol):
         self, headers: Mapping[str, str], body: Mapping[str, Any], dp_size: int, kind: Kind
     ) -> int | None: ...
 
-    def model_error(self, model: str | None, served: str) -> str | None: ...
+    def model_error(
+        self, model: str | None, served: str, adapters: Collection[str] = ()
+    ) -> str | None: ...
+
+    def adapter(
+        self, body: Mapping[str, Any], served: str, adapters: Collection[str]
+    ) -> str | None:
+        """The LoRA adapter the request runs with (None: the base model); ValueError: one
+        the engine has not loaded."""
+        ...
 
 
 class VllmPersona:
@@ -50,10 +59,19 @@ class VllmPersona:
             raise RankError(f"data_parallel_rank {rank} is out of range [0, {dp_size}).")
         return rank
 
-    def model_error(self, model: str | None, served: str) -> str | None:
-        if model is None or model == served:
+    def model_error(
+        self, model: str | None, served: str, adapters: Collection[str] = ()
+    ) -> str | None:
+        if model is None or model == served or model in adapters:
             return None
         return f"The model `{model}` does not exist."
+
+    def adapter(
+        self, body: Mapping[str, Any], served: str, adapters: Collection[str]
+    ) -> str | None:
+        """An adapter is served as a model of its own name (``_maybe_get_adapters``)."""
+        model = body.get("model")
+        return model if isinstance(model, str) and model in adapters else None
 
 
 class SglangPersona:
@@ -102,8 +120,27 @@ class SglangPersona:
             raise RankError(f"routed_dp_rank={rank} out of range [0, {dp_size})")
         return int(rank)
 
-    def model_error(self, model: str | None, served: str) -> str | None:
+    def model_error(
+        self, model: str | None, served: str, adapters: Collection[str] = ()
+    ) -> str | None:
         return None  # SGLang serves whatever model name the client writes
+
+    def adapter(
+        self, body: Mapping[str, Any], served: str, adapters: Collection[str]
+    ) -> str | None:
+        """``model`` written ``base:adapter``, else ``lora_path`` (a batch's first); a bare
+        adapter name in ``model`` runs the base model (``_resolve_lora_path``)."""
+        model, name = body.get("model"), None
+        if isinstance(model, str) and ":" in model and model != served:
+            at = len(served) if model.startswith(served + ":") else model.index(":")
+            name = model[at + 1 :].strip()
+        path = body.get("lora_path")
+        if not name and isinstance(path, list):
+            path = path[0] if path else None
+        name = name or (path if isinstance(path, str) else None) or None
+        if name is not None and name not in adapters:
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
+        return name
 
 
 def persona_for(name: str) -> Persona:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dprouter.core.types import PD_MODES, PdMode
-from dprouter.sim.model.kvevents import KvEventsConfig
+from dprouter.sim.model.kvevents import Adapter, KvEventsConfig
 
 Persona = Literal["vllm", "sglang"]
 Dispatch = Literal[
@@ -147,6 +147,7 @@ class EngineConfig:
     # SGLang's being a prefill batch that runs alone and first (no --enable-mixed-chunk)
     mixed_chunk: bool | None = None
     model: str = "sim-model"
+    lora_modules: tuple[str, ...] = ()  # adapters served beside the model, by name
     time_scale: float = 1.0  # wall seconds per virtual second (0.1 runs 10x faster)
     cost: CostModel = field(default_factory=CostModel)
     limits: RankLimits = field(default_factory=RankLimits)
@@ -172,6 +173,11 @@ class EngineConfig:
         bad = [r for r in self.faults.slow_ranks if not 0 <= r < self.dp_size]
         if bad:
             raise ValueError(f"slow ranks {bad} out of range [0, {self.dp_size})")
+
+    @property
+    def adapters(self) -> dict[str, Adapter]:
+        """By name; vLLM numbers them 1, 2, ... as it loads them (``lora_id_counter``)."""
+        return {name: Adapter(i, name) for i, name in enumerate(self.lora_modules, 1)}
 
     @property
     def dispatch_choices(self) -> tuple[Dispatch, ...]:

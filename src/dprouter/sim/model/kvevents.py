@@ -14,6 +14,10 @@ into the msgpack payload the real engine would publish:
   the batch is ``[ts, events, attn_dp_rank]``; the same tagged maps (older SGLang:
   tagged arrays) with signed 64-bit hashes, fewer fields, and consecutive removals
   coalesced into one ``BlockRemoved``.
+
+An adapter's blocks carry it as each engine says it: vLLM both its ``lora_id`` and its
+``lora_name``; SGLang ``lora_name`` alone (its ``lora_id`` is always None), and its
+older array encoding nothing at all.
 """
 
 from __future__ import annotations
@@ -94,6 +98,15 @@ class KvEventsConfig:
         return out
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter the engine serves: its name (the ``model`` a request sends) and the
+    integer vLLM gives it at load time (``lora_int_id``: 1, 2, ... in load order)."""
+
+    id: int
+    name: str
+
+
 @dataclass
 class Stored:
     """Full blocks that entered the cache, consecutive in one prompt's chain."""
@@ -102,6 +115,7 @@ class Stored:
     parent_block_hash: int | None  # None: the first block is the prompt's first
     token_ids: list[int]
     block_size: int
+    lora: Adapter | None = None  # the adapter whose request stored them
 
 
 @dataclass
@@ -137,15 +151,15 @@ def _tagged(tag: str, items: list[tuple[str, Any]], encoding: Encoding) -> Any:
 
 def _vllm(event: KvEvent, encoding: Encoding) -> list[Any]:
     if isinstance(event, Stored):
-        parent = event.parent_block_hash
+        parent, lora = event.parent_block_hash, event.lora
         items: list[tuple[str, Any]] = [
             ("block_hashes", [h & _U64 for h in event.block_hashes]),
             ("parent_block_hash", None if parent is None else parent & _U64),
             ("token_ids", event.token_ids),
             ("block_size", event.block_size),
-            ("lora_id", None),
+            ("lora_id", None if lora is None else lora.id),  # both: v1/core/block_pool.py
             ("medium", MEDIUM_GPU),
-            ("lora_name", None),
+            ("lora_name", None if lora is None else lora.name),
         ]
         if encoding == "map":  # vLLM 0.32.0 sets these: one extra-key entry per block
             items += [("extra_keys", [None] * len(event.block_hashes)), ("group_idx", 0)]
@@ -170,9 +184,11 @@ def _sglang(event: KvEvent, encoding: Encoding) -> list[Any]:
             ("parent_block_hash", event.parent_block_hash),
             ("token_ids", event.token_ids),
             ("block_size", event.block_size),
-            ("lora_id", None),
+            ("lora_id", None),  # always None: the name alone says the adapter
             ("medium", MEDIUM_GPU),
         ]
+        if event.lora is not None and encoding == "map":  # older SGLang: no lora_name
+            items.append(("lora_name", event.lora.name))  # srt/mem_cache/events.py
         return [_tagged("BlockStored", items, encoding)]
     if isinstance(event, Removed):
         items = [("block_hashes", list(event.block_hashes)), ("medium", MEDIUM_GPU)]

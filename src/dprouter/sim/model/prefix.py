@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dprouter.sim.model.kvevents import Cleared, KvEvent, Removed, Stored
+from dprouter.sim.model.kvevents import Adapter, Cleared, KvEvent, Removed, Stored
 
 
-def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of ``ids`` (a partial tail is never cached)."""
+def block_hashes(ids: Sequence[int], block_size: int, lora: Adapter | None = None) -> list[int]:
+    """Chained hashes of the full blocks of ``ids`` (a partial tail is never cached); an
+    adapter's chain starts apart, as the engines put its name in the first block's hash."""
     hashes: list[int] = []
-    prev = 0
+    prev = 0 if lora is None else hash(("lora", lora.name))
     for start in range(0, len(ids) - block_size + 1, block_size):
         prev = hash((prev, *ids[start : start + block_size]))
         hashes.append(prev)
@@ -61,8 +62,11 @@ class PrefixCache:
             n += 1
         return n
 
-    def insert(self, hashes: Sequence[int], ids: Sequence[int] = ()) -> None:
-        """Cache the full blocks of a prompt (``ids``: its tokens, for the journal)."""
+    def insert(
+        self, hashes: Sequence[int], ids: Sequence[int] = (), lora: Adapter | None = None
+    ) -> None:
+        """Cache the full blocks of a prompt (``ids``: its tokens, ``lora``: its adapter,
+        for the journal)."""
         if self.capacity <= 0:
             return
         blocks = self._blocks
@@ -78,7 +82,7 @@ class PrefixCache:
                 continue
             tokens = list(ids[i * self.block_size : (i + 1) * self.block_size])
             if run is None:
-                run = Stored([], hashes[i - 1] if i else None, [], self.block_size)
+                run = Stored([], hashes[i - 1] if i else None, [], self.block_size, lora)
                 journal.append(run)
             run.block_hashes.append(h)
             run.token_ids.extend(tokens)

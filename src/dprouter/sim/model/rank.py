@@ -147,7 +147,7 @@ class Rank:
                 break  # FCFS: the head blocks the queue until KV frees up
             self.waiting.popleft()
             if req.block_hashes is None:
-                req.block_hashes = block_hashes(req.prompt_ids, limits.block_size)
+                req.block_hashes = block_hashes(req.prompt_ids, limits.block_size, req.lora)
             # the last prompt token is always computed, so at most (len-1) tokens hit
             limit = (req.prompt_len - 1) // limits.block_size
             if req.remote_kv:  # transferred from a prefill engine: nothing to compute
@@ -190,7 +190,7 @@ class Rank:
             if req.computed < req.prompt_len:
                 continue
             self.prefilling.remove(req)
-            self.cache.insert(req.block_hashes or (), req.prompt_ids)
+            self.cache.insert(req.block_hashes or (), req.prompt_ids, req.lora)
             stats.prompt_tokens += req.prompt_len
             req.phase = Phase.DECODE
             decoding.add(req)

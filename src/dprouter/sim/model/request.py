@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from dprouter.sim.model.kvevents import Adapter
+
 
 class Phase(Enum):
     WAITING = "waiting"
@@ -23,6 +25,7 @@ class SimRequest:
     rank: int | None = None  # pinned rank, then the rank that serves it
     bootstrap_room: int | None = None
     remote_kv: bool = False  # P/D decode: the prompt's KV came from a prefill engine
+    lora: Adapter | None = None  # the adapter that runs it (None: the base model)
     block_hashes: list[int] | None = None  # filled on first admission attempt
     phase: Phase = Phase.WAITING
     cached_tokens: int = 0
