@@ -260,3 +260,27 @@ def test_kv_read_costs_grow_each_step_and_the_fast_path_keeps_up() -> None:
     prefill = COST.step_base + COST.prefill_per_token * 1000 + 2e-7 * 1000
     decode = [COST.step_base + COST.decode_per_seq + 2e-7 * k for k in (1001, 1002)]
     assert r.finished_at == pytest.approx(prefill + sum(decode))
+
+
+@pytest.mark.parametrize(("persona", "computed"), [("vllm", 1), ("sglang", 3)])
+def test_a_group_sent_together_computes_its_prompt_as_the_engine_does(
+    persona: str, computed: int
+) -> None:
+    """Four requests of one 3,000-token prompt at once on one rank: vLLM caches a block when
+    it schedules it, so the rest hit it from the same step on; SGLang caches it once
+    computed, so the three the first prefill batch takes (8,192 tokens: the third as a
+    first chunk) compute it, and the last, admitted after, hits it."""
+    engine = Engine(EngineConfig(persona=persona))  # type: ignore[arg-type]
+    prompt = list(range(3000))
+    for i in range(4):
+        engine.add(SimRequest(f"r{i}", prompt, 4, 0.0), 0.0)
+    now, finished = 0.0, []
+    while len(finished) < 4:
+        plan = engine.steppers[0].begin(now)
+        assert plan is not None
+        now = plan.end
+        finished += engine.end(plan, now).finished
+    hits = [r.cached_tokens for r in sorted(finished, key=lambda r: r.rid)]
+    full = (len(prompt) - 1) // 16 * 16
+    assert hits.count(0) == computed
+    assert hits[computed:] == [full] * (4 - computed)

@@ -109,6 +109,7 @@ class Engine:
                 track_tokens,
                 record_events,
                 mixed=config.mixes_chunks,
+                cache_on_schedule=config.persona == "vllm",
             )
             for i in range(config.dp_size)
         ]

@@ -58,6 +58,7 @@ class Rank:
         track_tokens: bool = True,
         record_events: bool = False,
         mixed: bool = True,
+        cache_on_schedule: bool = True,
     ) -> None:
         self.index = index
         self.limits = limits
@@ -65,6 +66,7 @@ class Rank:
         self.slow = slow
         self.track_tokens = track_tokens
         self.mixed = mixed
+        self.cache_on_schedule = cache_on_schedule  # vLLM's way; SGLang caches once computed
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.decoding = DecodeBatch()
@@ -97,18 +99,32 @@ class Rank:
     def plan(self, now: float, max_steps: int = 1) -> RankPlan | None:
         """Plan the next step; with ``max_steps`` > 1 a decode-only batch may run
         several identical steps at once (the offline simulator's fast path)."""
-        self._admit(now)
         n_decode = len(self.decoding)
         budget = self.cost.max_batched_tokens - (n_decode if self.mixed else 0)
         chunks: list[tuple[SimRequest, int]] = []
         prefill_tokens = 0
-        for req in self.prefilling:
+        for req in self.prefilling:  # admitted before: they go first
             if budget <= 0:
                 break
             n = min(req.prompt_len - req.computed, budget)
             chunks.append((req, n))
             budget -= n
             prefill_tokens += n
+            if self.cache_on_schedule:
+                self._cache(req, req.computed + n)
+        # then admission, FCFS, while the step has tokens left: a request it cannot
+        # start stays waiting, as in both engines' schedulers, and meets the prefix
+        # cache as it is when it is admitted
+        while budget > 0:
+            req = self._admit(now)
+            if req is None:
+                break
+            n = min(req.prompt_len - req.computed, budget)
+            chunks.append((req, n))  # n 0: its KV came from a prefill engine
+            budget -= n
+            prefill_tokens += n
+            if self.cache_on_schedule:
+                self._cache(req, req.computed + n)
         if prefill_tokens and not self.mixed:
             n_decode = 0  # the prefill batch runs alone (KV sent by a prefill engine does not)
         if not n_decode and not chunks:
@@ -139,30 +155,41 @@ class Rank:
         """Mean cost of ``steps`` steps of ``plan`` (exact: the cost grows linearly)."""
         return plan.cost + plan.growth * (steps - 1) / 2
 
-    def _admit(self, now: float) -> None:
+    def _admit(self, now: float) -> SimRequest | None:
+        """The head of the queue into the running batch, if the batch and the KV budget
+        take it (FCFS: the head blocks the queue until KV frees up)."""
         limits = self.limits
-        while self.waiting and self.num_running < limits.max_running:
-            req = self.waiting[0]
-            if self.kv_reserved + req.footprint > limits.kv_tokens:
-                break  # FCFS: the head blocks the queue until KV frees up
-            self.waiting.popleft()
-            if req.block_hashes is None:
-                req.block_hashes = block_hashes(req.prompt_ids, limits.block_size, req.lora)
-            # the last prompt token is always computed, so at most (len-1) tokens hit
-            limit = (req.prompt_len - 1) // limits.block_size
-            if req.remote_kv:  # transferred from a prefill engine: nothing to compute
-                req.computed = req.prompt_len
-            else:
-                req.cached_tokens = self.cache.match(req.block_hashes, limit) * limits.block_size
-                req.computed = req.cached_tokens
-            req.phase = Phase.PREFILL
-            req.admitted_at = now
-            if not req.remote_kv:
-                self.stats.prefix_queries += req.prompt_len
-                self.stats.prefix_hits += req.cached_tokens
-            self.kv_reserved += req.footprint
-            self.kv_used += req.prompt_len
-            self.prefilling.append(req)
+        if not self.waiting or self.num_running >= limits.max_running:
+            return None
+        req = self.waiting[0]
+        if self.kv_reserved + req.footprint > limits.kv_tokens:
+            return None
+        self.waiting.popleft()
+        if req.block_hashes is None:
+            req.block_hashes = block_hashes(req.prompt_ids, limits.block_size, req.lora)
+        # the last prompt token is always computed, so at most (len-1) tokens hit
+        limit = (req.prompt_len - 1) // limits.block_size
+        if req.remote_kv:  # transferred from a prefill engine: nothing to compute
+            req.computed = req.prompt_len
+        else:
+            req.cached_tokens = self.cache.match(req.block_hashes, limit) * limits.block_size
+            req.computed = req.cached_tokens
+            self.stats.prefix_queries += req.prompt_len
+            self.stats.prefix_hits += req.cached_tokens
+        req.phase = Phase.PREFILL
+        req.admitted_at = now
+        self.kv_reserved += req.footprint
+        self.kv_used += req.prompt_len
+        self.prefilling.append(req)
+        return req
+
+    def _cache(self, req: SimRequest, computed: int) -> None:
+        """The prompt's full blocks up to ``computed`` enter the prefix cache: vLLM
+        caches a block when it schedules it (a request scheduled after it in the same
+        step hits it), SGLang once the chunk is computed (``cache_unfinished_req``)."""
+        full = computed // self.limits.block_size
+        if full and req.block_hashes:
+            self.cache.insert(req.block_hashes[:full], req.prompt_ids, req.lora)
 
     def commit(self, plan: RankPlan, now: float, events: StepEvents) -> None:
         stats = self.stats
@@ -188,9 +215,12 @@ class Rank:
                 continue
             req.computed += n
             if req.computed < req.prompt_len:
+                if not self.cache_on_schedule:
+                    self._cache(req, req.computed)
                 continue
             self.prefilling.remove(req)
-            self.cache.insert(req.block_hashes or (), req.prompt_ids, req.lora)
+            if not self.cache_on_schedule:  # vLLM cached its blocks when it scheduled them
+                self._cache(req, req.computed)
             stats.prompt_tokens += req.prompt_len
             req.phase = Phase.DECODE
             decoding.add(req)
