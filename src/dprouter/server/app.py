@@ -84,7 +84,7 @@ def build_app(
         control=control,
         lock=lock,
     )
-    if needs_tokens(parts.policy):
+    if reads_prefixes(config, parts.policy):
         parts.lookup, parts.feed = prefix_parts(config, registry)
         parts.metrics.add(KvCollector(parts.feed))
     if control is None:
@@ -110,6 +110,15 @@ def build_app(
         app.add_routes(dashboard.routes())
         app.cleanup_ctx.append(dashboard.lifecycle)
     return app
+
+
+def reads_prefixes(config: RouterConfig, policy: Policy) -> bool:
+    """Prompts are looked up in the engines' KV events: the policy reads what targets hold,
+    or under ``--pd`` the policy of either side does (each side has its own)."""
+    if config.pd is None:
+        return needs_tokens(policy)
+    options = config.policy_options()
+    return any(needs_tokens(make_policy(config.role_policy(s), options)) for s in SIDES)
 
 
 def prefix_parts(config: RouterConfig, registry: Registry) -> tuple[Lookup, Feed]:
@@ -208,9 +217,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             for side, policy in policies.items()
             if (placer := placer_for(parts, policy, side)) is not None
         }
-        parts.proxy = PairProxy(
-            proxy_parts, policies["prefill"], policies["decode"], placers, parts.lock
-        )
+        pair = PairProxy(proxy_parts, policies["prefill"], policies["decode"], placers, parts.lock)
+        pair.lookup = parts.lookup  # each side's events: the feed follows every worker
+        parts.proxy = pair
     else:
         if parts.control is not None and isinstance(parts.policy, CacheAware):
             parts.control.share_prefixes(parts.policy)

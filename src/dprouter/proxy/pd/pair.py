@@ -6,6 +6,12 @@ failed leg follows the same rules as a plain attempt (``retry``): the pair is
 chosen again without the target that failed, before any byte reached the client.
 A trusted client (``--trust-client-rank``) names the decode rank as it would a
 plain request's, and the prefill rank in SGLang's ``disagg_prefill_dp_rank``.
+
+A side whose policy needs tokens (``prefix``) has the prompt looked up over that side's
+pool, as a plain request is over its own: the prefill pool's KV events (a prefill engine
+stores the prompt's blocks as it computes them), the decode pool's when the decode
+engines publish too. After each choice the prompt's blocks count as pending on the
+chosen target of each such side, so the next turn of a conversation finds them there.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from functools import partial
 from aiohttp import web
 
 from dprouter.core.errors import error
-from dprouter.core.types import Kind, Role, Side
+from dprouter.core.types import Incoming, Kind, Role, Side
+from dprouter.engines.kvevents.lookup import Found, Lookup
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
-from dprouter.policies import Policy, RequestInfo
+from dprouter.policies import Policy, RequestInfo, needs_tokens
 from dprouter.proxy.output_budget import learn
 from dprouter.proxy.parts import ProxyParts
 from dprouter.proxy.pd import moriio, nixl, sglang
@@ -52,6 +59,10 @@ class PairProxy:
         self.pairing = Pairing(prefill_policy, decode_policy)
         self.placers = placers or {}  # several serving processes: manual's keys placed once
         self.lock = lock  # several serving processes: one decision at a time
+        self.lookup: Lookup | None = None  # a side's policy needs tokens: what targets hold
+        # the sides whose policy reads what their targets hold of the prompt
+        sides = {"prefill": prefill_policy, "decode": decode_policy}
+        self.reads = [side for side in SIDES if needs_tokens(sides[side])]
         config = parts.config
         flows: dict[str, Flow] = {
             "vllm-nixl": nixl.run,
@@ -91,6 +102,8 @@ class PairProxy:
             tokens=incoming.tokens,
             now=started,
         )
+        found = await self.find(kind, incoming, pools, started)
+        prefixes = {side: f.prefix for side, f in found.items()}
         attempts = p.retry.start()
 
         async def attempt(left: Pools) -> web.StreamResponse:
@@ -100,16 +113,20 @@ class PairProxy:
                 for side, candidates in zip(SIDES, left, strict=True):
                     if placer := self.placers.get(side):
                         await placer.place(candidates, replace(chosen, pool=(side, incoming.model)))
+            model = incoming.model
             if self.lock is None:
-                prefill, decode = self.pairing.choose(prefills, decodes, chosen, incoming.model)
+                prefill, decode = self.pairing.choose(prefills, decodes, chosen, model, prefixes)
             else:
                 with self.lock:  # the pair and both counts, in one step for all processes
-                    prefill, decode = self.pairing.choose(prefills, decodes, chosen, incoming.model)
+                    prefill, decode = self.pairing.choose(
+                        prefills, decodes, chosen, model, prefixes
+                    )
                     tokens = incoming.tokens
                     call.claimed = {
                         "prefill": Outstanding(prefill, tokens).claim(),
                         "decode": Outstanding(decode, tokens, incoming.output).claim(),
                     }
+            self.sent(found, {"prefill": prefill, "decode": decode}, started)
             call.last_chance = {
                 "prefill": attempts.last_chance(prefills),
                 "decode": attempts.last_chance(decodes),
@@ -125,3 +142,25 @@ class PairProxy:
             return answer
 
         return await attempts.run(pools, attempt, "prefill/decode pair")
+
+    async def find(
+        self, kind: Kind, incoming: Incoming, pools: Pools, now: float
+    ) -> dict[Side, Found]:
+        """What each side's targets hold of the prompt, for the sides whose policy reads
+        it (a pool none of whose ranks publishes is not even tokenised for)."""
+        found: dict[Side, Found] = {}
+        if self.lookup is None:
+            return found
+        for side, pool in zip(SIDES, pools, strict=True):
+            if side in self.reads:
+                held = await self.lookup.find(kind, incoming, pool, now)
+                if held is not None:
+                    found[side] = held
+        return found
+
+    def sent(self, found: dict[Side, Found], chosen: dict[Side, Target], now: float) -> None:
+        """The prompt goes to the chosen pair: its blocks not held there are pending on
+        each side that looked them up (the prefill computes them, the decode receives them)."""
+        if self.lookup is not None:
+            for side, held in found.items():
+                self.lookup.sent(held, chosen[side], now)
