@@ -19,6 +19,7 @@ from aiohttp import web
 from dprouter.core.errors import Failed, UpstreamBroke, error
 from dprouter.core.types import DialectName, Incoming, Kind
 from dprouter.engines import dialects
+from dprouter.engines.kvevents.computing import being_computed, wait_computed
 from dprouter.engines.kvevents.lookup import Lookup
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
@@ -115,10 +116,14 @@ class Proxy:
             except HeldTooLong as exc:
                 self.parts.metrics.rejected.labels("held_too_long").inc()
                 return error(503, str(exc))
+            computing: list[int] = []
             if found is not None and self.lookup is not None:
+                computing = being_computed(self.lookup.index, found, counted.target)
                 self.lookup.sent(found, counted.target, started)  # its blocks are pending there
             try:
                 with counted:  # counted on every exit, a claimed one too
+                    if computing and self.lookup is not None:  # another computes its prompt there
+                        await wait_computed(self.lookup.index, counted.target, computing)
                     return await self._attempt(
                         request, client, counted, attempts, candidates, started, watch
                     )
