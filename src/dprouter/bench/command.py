@@ -22,6 +22,7 @@ SCENARIOS = {
     "aliasing": "aliasing",
     "dp-attention": "dp_attention",
     "prefix": "prefix",
+    "groups": "groups",
     "peers": "peers",
     "overhead": "overhead",
     "burst": "burst",

@@ -13,25 +13,41 @@ reports (running + waiting, tokens held) reach the board every ``scrape``
 virtual seconds, as the router's monitor reads them. A policy that reads the
 engines' KV-cache events (``prefix``) gets them through ``SimKvFeed``: the ranks'
 caches journal what they store and evict, and the index sees it a little later.
+
+A request sent to a rank that is computing its prompt's prefix right now (pending
+there), on an engine that caches a prefix only once computed (SGLang: requests
+batched with the one computing it compute it again), is held until the rank's events
+store it, as the router's request path holds it (``kvevents/computing.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from dprouter.bench.harness.kvfeed import SimKvFeed
+from dprouter.engines.kvevents.computing import WAIT, being_computed, pending_on
 from dprouter.fleet.engine_load import assign
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Outstanding, Target, Worker
 from dprouter.policies import Policy, PolicyOptions, RequestInfo, make_policy, needs_tokens
 from dprouter.proxy.output_budget import OutputEstimate
 from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.rank import Rank
 from dprouter.sim.model.request import SimRequest
 from dprouter.sim.offline.offline import Arrival, Cluster, OfflineSim
 from dprouter.sim.offline.report import SimReport
 
 OPENING = 256  # routing decisions kept in order: where a burst's opening went
+
+
+@dataclass
+class Held:
+    arrival: Arrival
+    target: Target
+    keys: list[int]  # the prompt's block keys pending on the target
+    until: float
 
 
 class SimRouter:
@@ -52,7 +68,7 @@ class SimRouter:
         self.output = OutputEstimate()  # as the router learns it from its answers
         self.registry = Registry(dp_aware=dp_aware)
         for i, c in enumerate(configs):
-            worker = Worker(id=f"e{i}", url=f"http://sim-{i}:1", dialect="vllm")
+            worker = Worker(id=f"e{i}", url=f"http://sim-{i}:1", dialect=c.persona)
             worker.ranks = c.dp_size
             self.registry.add(worker)
             self.registry.mark_ready(worker)
@@ -61,10 +77,12 @@ class SimRouter:
         self.policy = make_policy(policy, options) if isinstance(policy, str) else policy
         self.feed = SimKvFeed(list(self.index)) if needs_tokens(self.policy) else None
         self.held: dict[int, Outstanding] = {}
+        self.waiting: list[Held] = []
+        self.sim: OfflineSim | None = None  # set by ``run_sessions``: sends held requests
         self.decisions = 0
         self.opening: list[str] = []  # the first OPENING targets chosen, in order
 
-    def route(self, cluster: Cluster, arrival: Arrival) -> tuple[int, int | None]:
+    def route(self, cluster: Cluster, arrival: Arrival) -> tuple[int, int | None] | None:
         if self.scrape and cluster.now - self._scraped >= self.scrape:
             self._report(cluster)
         text = " ".join(map(str, arrival.prompt_ids[:512]))  # affinity sees the prompt's start
@@ -79,7 +97,9 @@ class SimRouter:
             key=arrival.key, text=text, tokens=tokens, now=cluster.now, prefix=prefix
         )
         target: Target = self.policy.select(self.pool, info)
+        keys: list[int] = []
         if found is not None and self.feed is not None:
+            keys = being_computed(self.feed.index, found, target)
             self.feed.sent(found, target, cluster.now)  # as the router's request path
         guard = Outstanding(target, tokens, output)
         guard.__enter__()
@@ -87,7 +107,24 @@ class SimRouter:
         self.decisions += 1
         if len(self.opening) < OPENING:
             self.opening.append(target.label)
+        if keys and self.sim is not None:
+            self.waiting.append(Held(arrival, target, keys, cluster.now + WAIT))
+            return None
         return self.index[target.worker.id], target.rank
+
+    def release(self, now: float) -> None:
+        """Send the held requests whose prefix their target has stored (or at their
+        time limit)."""
+        if not self.waiting or self.feed is None or self.sim is None:
+            return
+        self.feed.deliver(now)
+        keep = []
+        for held in self.waiting:
+            if now < held.until and pending_on(self.feed.index, held.target, held.keys):
+                keep.append(held)
+                continue
+            self.sim.send(held.arrival, self.index[held.target.worker.id], held.target.rank)
+        self.waiting = keep
 
     def finished(self, arrival: Arrival, req: SimRequest) -> None:
         self.held.pop(id(arrival)).__exit__(None, None, None)
@@ -126,16 +163,19 @@ def run_sessions(
     engines reset their prefix caches, as ``/reset_prefix_cache`` does; the router is not
     told, only their KV events say so."""
     feed = router.feed
-    sim = OfflineSim(
-        list(configs),
-        router.route,
-        on_step=feed.collect if feed is not None else None,
-        kv_events=feed is not None,
-    )
+    on_step = None
+    if feed is not None:
+
+        def on_step(engine: int, ranks: Sequence[Rank], now: float) -> None:
+            feed.collect(engine, ranks, now)
+            router.release(now)
+
+    sim = OfflineSim(list(configs), router.route, on_step=on_step, kv_events=feed is not None)
+    router.sim = sim
     due = sorted(flushes, key=lambda f: f[0], reverse=True)
     if due:
 
-        def route(cluster: Cluster, arrival: Arrival) -> tuple[int, int | None]:
+        def route(cluster: Cluster, arrival: Arrival) -> tuple[int, int | None] | None:
             while due and due[-1][0] <= cluster.now:
                 for e in due.pop()[1]:
                     engine = cluster.engines[e]

@@ -157,3 +157,74 @@ class HotPrompt:
         if self._sent >= self.requests:
             return None
         return self._request(done.key or "", now)
+
+
+@dataclass
+class GrpoGroups:
+    """GRPO rollouts: ``groups`` prompts, each sent as ``samples`` concurrent requests
+    (one group every ``gap`` seconds, open loop), a prompt of about ``prompt_len``
+    tokens each; outputs log-normal (median ``decode_median``). ``group`` of an
+    arrival's prompt object: its group's index."""
+
+    groups: int = 16
+    samples: int = 8
+    prompt_len: int = 4500
+    gap: float = 1.0
+    decode_median: int = 256
+    decode_cap: int = 1024
+    seed: int = 0
+    group: dict[int, int] = field(default_factory=dict)  # id(prompt_ids) -> group
+
+    def first_turns(self) -> list[Arrival]:
+        rng = random.Random(self.seed)
+        out = []
+        for g in range(self.groups):
+            prompt = tokens(rng, self.prompt_len + rng.randint(-300, 300))
+            self.group[id(prompt)] = g
+            for _ in range(self.samples):
+                n = int(rng.lognormvariate(0, 0.6) * self.decode_median)
+                out.append(Arrival(g * self.gap, prompt, max(32, min(self.decode_cap, n))))
+        return out
+
+    def next_turn(self, done: Arrival, req: SimRequest, now: float) -> Arrival | None:
+        return None  # open loop: every sample is sent at its group's time
+
+
+@dataclass
+class SharedGroups:
+    """Groups of prompts sharing a system prompt, sent in order by ``concurrency``
+    closed-loop clients: ``groups`` system prompts of ``system_len`` tokens, each with
+    ``per_group`` questions of ``question`` tokens, answers of exactly ``output``."""
+
+    groups: int = 16
+    per_group: int = 32
+    system_len: int = 4096
+    question: int = 128
+    output: int = 256
+    concurrency: int = 64
+    seed: int = 0
+    group: dict[int, int] = field(default_factory=dict)  # id(prompt_ids) -> group
+    _queue: list[list[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        self._queue = []
+        for g in range(self.groups):
+            system = tokens(rng, self.system_len)
+            for _ in range(self.per_group):
+                prompt = system + tokens(rng, self.question)
+                self.group[id(prompt)] = g
+                self._queue.append(prompt)
+        self._queue.reverse()  # popped from the end: in order
+
+    def _next(self, client: str, when: float) -> Arrival | None:
+        if not self._queue:
+            return None
+        return Arrival(when, self._queue.pop(), self.output, key=None)
+
+    def first_turns(self) -> list[Arrival]:
+        first = (self._next(f"client-{i}", 0.0) for i in range(self.concurrency))
+        return [a for a in first if a is not None]
+
+    def next_turn(self, done: Arrival, req: SimRequest, now: float) -> Arrival | None:
+        return self._next("", now)

@@ -39,7 +39,9 @@ class Cluster:
     now: float = 0.0
 
 
-Route = Callable[[Cluster, Arrival], tuple[int, int | None]]
+# (engine index, rank or None); None: the router holds the arrival and sends it later
+# itself, with ``OfflineSim.send``
+Route = Callable[[Cluster, Arrival], tuple[int, int | None] | None]
 OnFinish = Callable[[Arrival, SimRequest], None]
 OnStep = Callable[[int, Sequence[Rank], float], None]  # (engine index, its ranks, now)
 INF = float("inf")
@@ -77,6 +79,14 @@ class OfflineSim:
         self._owner = {id(s): e for e, eng in enumerate(engines) for s in eng.steppers}
         self._later: list[tuple[float, int, Arrival]] = []  # arrivals injected while running
         self._seq = itertools.count()
+        self._send: Callable[[Arrival, int, int | None], None] | None = None
+
+    def send(self, arrival: Arrival, engine: int, rank: int | None) -> None:
+        """Send an arrival the router held to ``engine`` (and ``rank``) now: from a
+        callback, while ``run`` runs (its latency still counts from its arrival)."""
+        if self._send is None:
+            raise RuntimeError("OfflineSim.send works only while run() runs")
+        self._send(arrival, engine, rank)
 
     def inject(self, arrival: Arrival) -> None:
         """Schedule one more arrival (no earlier than now): closed-loop clients call this
@@ -119,11 +129,17 @@ class OfflineSim:
                 done.append(req)
                 if self.on_finish is not None:
                     self.on_finish(origin.pop(req.rid), req)
-            kick(stepper, t)
+            if stepper.running is None:  # a request sent from a callback may have begun it
+                kick(stepper, t)
 
         def arrive(arrival: Arrival) -> None:
-            self.cluster.now = arrival.time
-            e, rank = self.route(self.cluster, arrival)
+            self.cluster.now = max(arrival.time, self.cluster.now)
+            chosen = self.route(self.cluster, arrival)
+            if chosen is not None:
+                send(arrival, *chosen)
+
+        def send(arrival: Arrival, e: int, rank: int | None) -> None:
+            now = self.cluster.now
             rid = f"r{next(count)}"
             req = SimRequest(
                 rid,
@@ -134,13 +150,15 @@ class OfflineSim:
                 arrival.bootstrap_room,
             )
             origin[rid] = arrival
-            stepper = engines[e].add(req, arrival.time)
+            stepper = engines[e].add(req, now)
             self._usage[(e, req.rank if req.rank is not None else 0)].routed += 1
             if stepper.running is None:
-                kick(stepper, arrival.time)
-            elif stepper.truncate(arrival.time):
+                kick(stepper, now)
+            elif stepper.truncate(now):
                 plan = stepper.running
                 heapq.heappush(steps, (plan.end, next(seq), plan))
+
+        self._send = send
 
         while True:
             later = self._later[0][0] if self._later else INF
