@@ -274,7 +274,7 @@ def test_a_group_sent_together_computes_its_prompt_as_the_engine_does(
     prompt = list(range(3000))
     for i in range(4):
         engine.add(SimRequest(f"r{i}", prompt, 4, 0.0), 0.0)
-    now, finished = 0.0, []
+    now, finished = 0.0, list[SimRequest]()
     while len(finished) < 4:
         plan = engine.steppers[0].begin(now)
         assert plan is not None

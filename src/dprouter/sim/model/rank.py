@@ -116,15 +116,15 @@ class Rank:
         # start stays waiting, as in both engines' schedulers, and meets the prefix
         # cache as it is when it is admitted
         while budget > 0:
-            req = self._admit(now)
-            if req is None:
+            admitted = self._admit(now)
+            if admitted is None:
                 break
-            n = min(req.prompt_len - req.computed, budget)
-            chunks.append((req, n))  # n 0: its KV came from a prefill engine
+            n = min(admitted.prompt_len - admitted.computed, budget)
+            chunks.append((admitted, n))  # n 0: its KV came from a prefill engine
             budget -= n
             prefill_tokens += n
             if self.cache_on_schedule:
-                self._cache(req, req.computed + n)
+                self._cache(admitted, admitted.computed + n)
         if prefill_tokens and not self.mixed:
             n_decode = 0  # the prefill batch runs alone (KV sent by a prefill engine does not)
         if not n_decode and not chunks:
