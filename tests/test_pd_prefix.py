@@ -314,3 +314,46 @@ async def test_pd_prefill_hits_match_the_plain_routers(
         print(f"\n{mode}: hit rate plain {plain:.4f}, --pd prefill {pd:.4f}")
     assert plain > 0.5
     assert abs(pd - plain) <= 0.02, (plain, pd)
+
+
+@pytest.mark.parametrize("mode", ["sglang", "vllm-nixl"])
+async def test_a_group_computes_its_prompt_once_per_prefill_rank(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,
+    mode: PdMode,
+) -> None:
+    """Eight samples of one long prompt at once over a DP4 prefill: each prefill rank they
+    reach computes it once. An SGLang prefill caches a prompt once computed, so a sample
+    sent where a sibling is computing it waits in the router for the rank's events."""
+    cluster = await start_cluster(
+        [engine(tokenizer_dir, 4, mode), engine(tokenizer_dir, 2, mode, "decode", events=False)]
+    )
+    prefill, decode = cluster.servers
+    config = RouterConfig(
+        pd=mode,
+        workers=tuple(pd_specs(mode, [prefill], [decode])),
+        prefill_policy="prefix",
+        tokenizers=(str(tokenizer_dir),),
+        seed=1,
+    )
+    router = await start_router(config)
+    await streams_up(router, 4)
+    messages = [{"role": "user", "content": words(5, 1500)}]  # ~4,900 tokens
+    body = {"messages": messages, "max_tokens": 3}
+
+    async def sample() -> str:
+        async with http.post(router.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+            return r.headers.get(PREFILL_HEADER, r.headers[TARGET_HEADER])
+
+    reached = set(await asyncio.gather(*(sample() for _ in range(8))))
+    ids = prompt_ids(prefill, messages)
+    full = (len(ids) - 1) // BLOCK * BLOCK
+    ranks = prefill.engine.ranks
+    computed = sum(r.stats.prefix_queries - r.stats.prefix_hits for r in ranks)
+    assert len(reached) >= 2, reached  # spread, not piled on one rank
+    # once per rank reached: the rest hit all but the prompt's last partial block
+    assert computed == len(reached) * len(ids) + (8 - len(reached)) * (len(ids) - full)

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from dprouter.core.errors import error
 from dprouter.core.types import Incoming, Kind, Role, Side
+from dprouter.engines.kvevents.computing import being_computed, wait_computed
 from dprouter.engines.kvevents.lookup import Found, Lookup
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
@@ -126,12 +127,17 @@ class PairProxy:
                         "prefill": Outstanding(prefill, tokens).claim(),
                         "decode": Outstanding(decode, tokens, incoming.output).claim(),
                     }
+            computing = self.computing(found, prefill)
             self.sent(found, {"prefill": prefill, "decode": decode}, started)
             call.last_chance = {
                 "prefill": attempts.last_chance(prefills),
                 "decode": attempts.last_chance(decodes),
             }
             try:
+                if computing and self.lookup is not None:  # another computes its prompt there
+                    if "prefill" not in call.claimed:  # counted there while it waits
+                        call.claimed["prefill"] = Outstanding(prefill, incoming.tokens).claim()
+                    await wait_computed(self.lookup.index, prefill, computing)
                 answer = await self.flow(call, prefill, decode)
             finally:
                 call.release()
@@ -157,6 +163,14 @@ class PairProxy:
                 if held is not None:
                     found[side] = held
         return found
+
+    def computing(self, found: dict[Side, Found], prefill: Target) -> list[int]:
+        """The prompt's blocks another request is computing on ``prefill`` now, where its
+        engine caches them only once computed (``kvevents/computing.py``): wait for them."""
+        held = found.get("prefill")
+        if held is None or self.lookup is None:
+            return []
+        return being_computed(self.lookup.index, held, prefill)
 
     def sent(self, found: dict[Side, Found], chosen: dict[Side, Target], now: float) -> None:
         """The prompt goes to the chosen pair: its blocks not held there are pending on
