@@ -239,3 +239,29 @@ async def test_an_adapters_requests_go_only_where_it_is_loaded(
     assert count(SQL) == {without.url: 0, with_.url: 8}
     assert sum(count(BASE).values()) == 8
     assert {t.worker for t in snapshot.pool("regular", BASE)} == {without, with_}
+
+
+async def test_sglangs_base_colon_adapter_goes_only_where_the_adapter_is_loaded(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,  # noqa: F811
+) -> None:
+    """SGLang runs ``base:adapter`` with the adapter, and lists a loaded adapter in
+    /v1/models (``parent``: its base): such a request's pool is the SGLang workers that
+    list the adapter; an adapter none lists goes where any name goes (the engine says)."""
+    plain = lora_engine("sglang", tokenizer_dir)
+    cluster = (await start_cluster([replace(plain, lora_modules=()), plain])).servers
+    config = prefix_config(tokenizer_dir, *(WorkerSpec(s.url) for s in cluster))
+    router = await start_router(config)
+    snapshot = router.parts.registry.snapshot
+    (without, with_) = sorted(snapshot.workers, key=lambda w: SQL in w.models)
+    assert {t.worker for t in snapshot.pool("regular", f"{BASE}:{SQL}")} == {with_}
+    assert {t.worker for t in snapshot.pool("regular", f"{BASE}:nothing")} == {without, with_}
+    for i in range(8):
+        await send(http, router.url, {"model": f"{BASE}:{SQL}", "prompt": words(i, 20)})
+
+    def count(model: str) -> dict[str, int]:
+        return {s.url: sum(r.body.get("model") == model for r in s.received) for s in cluster}
+
+    assert count(f"{BASE}:{SQL}") == {without.url: 0, with_.url: 8}

@@ -46,6 +46,18 @@ class Snapshot:
         found = self._pools.get(key)
         if found is None:
             if model is not None and model not in self.known_models:
+                adapter = self.adapter(model)
+                if adapter is not None:  # SGLang's base:adapter, where the adapter is listed
+                    found = self._pools[key] = interleave(
+                        w
+                        for w in self.workers
+                        if w.role == role
+                        and w.dialect == "sglang"
+                        and w.serves(adapter[0])
+                        and adapter[1] in w.models
+                        and (dialect is None or w.dialect == dialect)
+                    )
+                    return found
                 # a name no worker lists goes where any name is served: SGLang engines (they
                 # serve whatever a client writes, "default" say) and workers that list none.
                 # Never cached, so clients cannot grow the cache
@@ -66,6 +78,18 @@ class Snapshot:
             ]
             found = self._pools[key] = interleave(chosen)
         return found
+
+    def adapter(self, model: str) -> tuple[str, str] | None:
+        """SGLang's ``base:adapter`` (``_parse_model_parameter``): (base, adapter) when
+        both are names the workers list, the adapter loaded on some (its card in
+        ``/v1/models``); None otherwise. Both known, the pool may be cached: the names
+        are bounded by what the workers list."""
+        bases = [m for m in self.known_models if model.startswith(m + ":")]
+        if not bases:
+            return None
+        base = max(bases, key=len)
+        adapter = model[len(base) + 1 :].strip()
+        return (base, adapter) if adapter in self.known_models else None
 
     def model_cards(self) -> dict[str, dict[str, Any]]:
         """One card per model, as the engines wrote it (the first worker listing it), with
