@@ -60,6 +60,22 @@ def test_the_holder_of_the_longest_prefix_wins_at_equal_load() -> None:
     assert picks(targets, info, 3) == ["w0/2", "w0/2", "w0/2"]
 
 
+def test_a_prefix_being_computed_counts_for_less_than_a_stored_one() -> None:
+    """A GRPO group's samples find their prompt pending where the first went: counted at
+    0.65 of a stored block, a holder one request busier than the rest loses them sooner."""
+    targets = fleet(4)
+    # loads 2,1,1,1: mean 1.25; a request costs 1 / 2.25 = 0.44; held whole: bonus 4
+    load(targets, 2, 1, 1, 1)
+    stored = RequestInfo(prefix=Prefix(8, {"w0/0": 8, "w0/1": 8}, stored={"w0/0": 8, "w0/1": 8}))
+    assert picks(targets, stored, 1) == ["w0/1"]  # 4 - 0.44 > 4 - 0.89
+    # w0/0 has it stored, w0/1 only pending: 4 - 0.89 = 3.11 > 2.6 - 0.44 = 2.16
+    pending = RequestInfo(prefix=Prefix(8, {"w0/0": 8, "w0/1": 8}, stored={"w0/0": 8}))
+    assert picks(targets, pending, 1) == ["w0/0"]
+    # where nothing is stored yet, the holders' pending blocks are what counts
+    both = RequestInfo(prefix=Prefix(8, {"w0/0": 8, "w0/1": 8}, stored={}))
+    assert picks(targets, both, 1) == ["w0/1"]
+
+
 def test_affinity_holds_within_the_formula_then_yields_to_load() -> None:
     targets = fleet(4)
     info = RequestInfo(prefix=Prefix(4, {"w0/0": 4}))

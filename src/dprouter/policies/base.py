@@ -39,11 +39,13 @@ class Prefix:
     """How much of a prompt each target holds in its KV cache, as its engine's events
     said or the router has sent there since (pending): ``held[label]`` of the prompt's
     ``tokens``, in leading blocks (a target holding none is left out); ``queued``: each
-    target's pending tokens (None: nothing pending anywhere)."""
+    target's pending tokens (None: nothing pending anywhere); ``stored``: of ``held``,
+    what the events have stored (None: all of it)."""
 
     tokens: int
     held: Mapping[str, int]
     queued: Queued | None = None
+    stored: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -41,6 +41,10 @@ from dprouter.policies.base import ByPool, PolicyOptions, RequestInfo, first_lea
 
 NONE: npt.NDArray[np.int64] = np.zeros(0, np.int64)  # no prefill queued anywhere
 LARGE = 2048  # pools from this size find the least cost with numpy (measured)
+# what a block being computed (pending) is worth beside a stored one: the samples of a GRPO
+# group, sent together, find their prompt pending where the first went; counted in full
+# they filled that rank past the others, whose DP-attention steps then waited on it
+PENDING_WORTH = 0.65
 
 
 class Rows:
@@ -88,9 +92,13 @@ class PrefixPolicy:
                 queued = prefix.queued.of(targets)
             if prefix.tokens and self.weight:
                 where, at, bonus = rows.where, rows.at, rows.bonus
+                stored = prefix.stored
                 for label, tokens in prefix.held.items():
                     i = where.get(label)
                     if i is not None:  # the bonus in one Python float (the same IEEE steps)
+                        if stored is not None:  # blocks being computed count for less
+                            done = stored.get(label, 0)
+                            tokens = done + PENDING_WORTH * (tokens - done)
                         at[held], bonus[held] = i, self.weight * tokens / prefix.tokens
                         held += 1
         board = targets[0].board

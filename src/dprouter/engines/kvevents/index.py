@@ -236,16 +236,18 @@ class KvIndex:
         else:
             del self.entries[key]
 
-    def match(self, keys: Iterable[int], among: int) -> dict[int, int]:
+    def match(self, keys: Iterable[int], among: int, pending: bool = True) -> dict[int, int]:
         """How many of the leading ``keys`` each rank of the mask ``among`` holds or has
-        pending, by rank bit (ranks holding none are left out): O(blocks matched)."""
+        pending (``pending`` False: holds, as its events stored them), by rank bit
+        (ranks holding none are left out): O(blocks matched)."""
         held: dict[int, int] = {}
-        alive, entries, pending = among, self.entries, self.pending
+        alive, entries = among, self.entries
+        pending_on = self.pending if pending else {}
         depth = 0
         for key in keys:
             holders = (entries.get(key, 0) >> DEPTH_BITS) & alive
-            if pending:
-                holders |= pending.get(key, 0) & alive
+            if pending_on:
+                holders |= pending_on.get(key, 0) & alive
             gone = alive & ~holders
             if gone and depth:
                 while gone:

@@ -99,6 +99,7 @@ class Matcher:
         index.expire(now)
         ranks = self.ranks(pool)
         held: dict[str, int] = {}
+        stored: dict[str, int] | None = {} if index.pending else None
         keys: dict[Group, list[int]] = {}
         chains: dict[tuple[int, int], list[int]] = {}  # (size, root): dialects that agree share
         for group, (among, labels) in ranks.groups.items():
@@ -108,8 +109,11 @@ class Matcher:
             keys[group] = chains[size, start]
             for bit, blocks in index.match(keys[group], among).items():
                 held[labels[bit]] = blocks * size
+            if stored is not None:  # some blocks pending somewhere: what is stored of it
+                for bit, blocks in index.match(keys[group], among, pending=False).items():
+                    stored[labels[bit]] = blocks * size
         queued = self.queued if index.pending else None
-        return Found(Prefix(len(ids), held, queued), keys, ranks)
+        return Found(Prefix(len(ids), held, queued, stored), keys, ranks)
 
     def sent(self, found: Found, target: Target, now: float) -> None:
         """The prompt went to ``target``: its blocks not held there are pending there."""
