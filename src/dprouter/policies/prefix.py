@@ -96,10 +96,11 @@ class PrefixPolicy:
                 for label, tokens in prefix.held.items():
                     i = where.get(label)
                     if i is not None:  # the bonus in one Python float (the same IEEE steps)
+                        worth: float = tokens
                         if stored is not None:  # blocks being computed count for less
                             done = stored.get(label, 0)
-                            tokens = done + PENDING_WORTH * (tokens - done)
-                        at[held], bonus[held] = i, self.weight * tokens / prefix.tokens
+                            worth = done + PENDING_WORTH * (tokens - done)
+                        at[held], bonus[held] = i, self.weight * worth / prefix.tokens
                         held += 1
         board = targets[0].board
         start = self.start % len(targets)
