@@ -8,15 +8,16 @@ import zlib
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from dprouter.config import RouterConfig, validate
-from dprouter.core.errors import ConfigError
+from dprouter.core.errors import BadRequest, ConfigError
 from dprouter.fleet.board import MODELS, Board
 from dprouter.fleet.engine_load import sglang_load, vllm_loads
 from dprouter.proxy.output_budget import OutputEstimate, completion_tokens
-from dprouter.proxy.parse import DEFAULT_OUTPUT
+from dprouter.proxy.parse import DEFAULT_OUTPUT, parse
 from dprouter.sim.model.config import EngineConfig, Persona
-from tests.conftest import StartCluster, StartRouter, until, workers
+from tests.conftest import StartCluster, StartRouter, completions_engine, serving, until, workers
 
 LONG = "a rather long prompt that fills the cache " * 60  # ~2,500 characters
 
@@ -208,3 +209,60 @@ async def test_with_output_budget_cap_a_request_is_counted_by_its_max_tokens(
 def test_an_unknown_output_budget_is_refused() -> None:
     with pytest.raises(ConfigError, match="output_budget must be typical or cap"):
         validate(RouterConfig(output_budget="median"))
+
+
+def test_a_request_sampling_n_is_counted_n_times() -> None:
+    """``n`` sequences from one prompt take n running slots and n outputs: OpenAI's ``n``,
+    SGLang's ``sampling_params.n``; a bad one is refused, as the engines refuse it."""
+    body = b'{"prompt": "x", "max_tokens": 50, "n": 4}'
+    found = parse(body, "completion", {})
+    assert (found.samples, found.output, found.tokens - found.prompt_tokens) == (4, 200, 200)
+    native = b'{"text": "x", "sampling_params": {"max_new_tokens": 10, "n": 3}}'
+    assert parse(native, "generate", {}).output == 30
+    assert parse(b'{"prompt": "x"}', "completion", {}).samples == 1
+    for bad in (b'{"prompt": "x", "n": 0}', b'{"prompt": "x", "n": "two"}'):
+        with pytest.raises(BadRequest):
+            parse(bad, "completion", {})
+    estimate = OutputEstimate()
+    found.output = 0
+    estimate.apply(found)
+    assert found.output == 4 * estimate.predict(found)
+
+
+async def test_a_request_sampling_n_takes_n_of_its_ranks_load(
+    start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """While a request of n = 4 runs on one rank, three single requests all go to the
+    other under least_load: that rank holds 4 sequences, not 1. (The simulator samples one
+    sequence a request, so a stand-in engine answers, and keeps the n = 4 one waiting.)"""
+    release = asyncio.Event()
+    ranks: list[tuple[int, str]] = []  # (n, rank), in arrival order
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        ranks.append((body["n"], request.headers["X-data-parallel-rank"]))
+        await release.wait()  # all in flight together
+        return web.json_response({"choices": [], "usage": {"completion_tokens": 4}})
+
+    async with serving(completions_engine(completions)) as url:
+        stand_in = workers(url, dialect="vllm", dp_size=2)
+        router = await start_router(RouterConfig(workers=stand_in, policy="least_load"))
+
+        async def send(n: int, i: int = 0) -> None:
+            body = {"prompt": f"sample me {i}", "max_tokens": 4, "n": n}
+            async with http.post(router.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+
+        def in_flight() -> int:
+            return sum(t.outstanding for t in router.registry.targets())
+
+        sent = [asyncio.create_task(send(4))]
+        assert await until(lambda: in_flight() == 4)
+        for i in range(3):  # one after another, each still running when the next goes
+            sent.append(asyncio.create_task(send(1, i)))
+            assert await until(lambda i=i: len(ranks) == i + 2)
+        release.set()
+        await asyncio.gather(*sent)
+    (_, group), *singles = ranks
+    assert [rank for _, rank in singles] == [str(1 - int(group))] * 3, ranks
+    assert all(t.outstanding == 0 for t in router.registry.targets())

@@ -38,3 +38,4 @@ class Incoming:
     limit: int | None = None  # max_tokens as sent; None: unset
     exact: bool = False  # the request runs to its limit (ignore_eos, min = max tokens)
     group: int = 0  # which prompt (or X-DPRouter-Group) it samples: its lengths' history
+    samples: int = 1  # n: sequences sampled from the one prompt (each a running slot)

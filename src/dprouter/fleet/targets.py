@@ -153,10 +153,11 @@ class Outstanding:
     counts never drift and need no periodic reset. ``claim`` counts it before
     the block, in the same step as the decision (see ``board_lock``)."""
 
-    __slots__ = ("claimed", "left", "seen", "target", "tokens")
+    __slots__ = ("claimed", "left", "requests", "seen", "target", "tokens")
 
-    def __init__(self, target: Target, tokens: int, output: int = 0) -> None:
+    def __init__(self, target: Target, tokens: int, output: int = 0, requests: int = 1) -> None:
         self.target = target
+        self.requests = requests  # a request sampling n sequences takes n running slots
         self.tokens = tokens  # counted now: prompt + output budget left
         self.left = output  # of which output budget, spent as the stream passes
         self.seen = 0  # output tokens seen go by
@@ -174,7 +175,7 @@ class Outstanding:
 
     def claim(self) -> Outstanding:
         t = self.target
-        t.board.add(t.slot, 1, self.tokens, t.worker.slot, self.left)
+        t.board.add(t.slot, self.requests, self.tokens, t.worker.slot, self.left)
         self.claimed = True
         return self
 
@@ -185,5 +186,5 @@ class Outstanding:
 
     def __exit__(self, *exc: object) -> None:
         t = self.target
-        t.board.add(t.slot, -1, -self.tokens, t.worker.slot, -self.left)
+        t.board.add(t.slot, -self.requests, -self.tokens, t.worker.slot, -self.left)
         self.claimed = False

@@ -148,8 +148,9 @@ class OutputEstimate:
         return round(seen[0]) if limit is None else min(limit, round(seen[0]))
 
     def apply(self, incoming: Incoming) -> None:
-        """Count ``incoming`` by its budget: prompt + its predicted output."""
-        incoming.output = self.predict(incoming)
+        """Count ``incoming`` by its budget: prompt + its predicted output, for each of its
+        ``n`` samples."""
+        incoming.output = self.predict(incoming) * incoming.samples
         incoming.tokens = incoming.prompt_tokens + incoming.output
 
 
@@ -163,7 +164,7 @@ def learn(
     if isinstance(answer, web.Response):
         body = answer.body
         found = completion_tokens(body) if isinstance(body, bytes) else None
-        if found is not None:
-            estimate.observe(found, incoming.model, incoming.group)
+        if found is not None:  # over all n samples: each ran about as long
+            estimate.observe(found // incoming.samples, incoming.model, incoming.group)
     elif counted.seen:
-        estimate.observe(counted.seen, incoming.model, incoming.group)
+        estimate.observe(counted.seen // incoming.samples, incoming.model, incoming.group)

@@ -181,20 +181,24 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         params = _typed(body, "sampling_params", (dict,), "an object") or {}
         limit = _limit(params, "max_new_tokens", least=0)  # SGLang: 0 is prefill only
         exact = _exact(params, limit, "min_new_tokens")
+        samples = _limit(params, "n") or 1
     else:
         limit = _limit(body, "max_completion_tokens", "max_tokens")
         exact = _exact(body, limit, "min_tokens")  # vLLM's sampling fields, in the body
+        samples = _limit(body, "n") or 1
     text, prompt_tokens = _prompt(body, kind)
+    output = (DEFAULT_OUTPUT if limit is None else limit) * samples
     return Incoming(
         body=body,
         model=model,
         stream=stream,
         key=routing_key(headers, body),
         text=text,
-        tokens=prompt_tokens + (DEFAULT_OUTPUT if limit is None else limit),
-        output=DEFAULT_OUTPUT if limit is None else limit,
+        tokens=prompt_tokens + output,
+        output=output,
         prompt_tokens=prompt_tokens,
         limit=limit,
         exact=exact,
         group=group_of(headers, body, kind),
+        samples=samples,
     )

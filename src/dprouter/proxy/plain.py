@@ -147,7 +147,7 @@ class Proxy:
 
         def pick(free: Sequence[Target]) -> Outstanding:
             target = self.policy.select(free, info)  # under the lock, when there is one
-            return Outstanding(target, incoming.tokens, incoming.output)
+            return Outstanding(target, incoming.tokens, incoming.output, incoming.samples)
 
         return await dispatch.admit(candidates, incoming, (info.pool, info.attempt), pick)
 
@@ -157,10 +157,10 @@ class Proxy:
         """The policy's pick, and what counts the request there while it runs."""
         if self.lock is None:
             target = self.policy.select(candidates, info)
-            return Outstanding(target, incoming.tokens, incoming.output)
+            return Outstanding(target, incoming.tokens, incoming.output, incoming.samples)
         with self.lock:  # the pick and its count, in one step for all processes
             target = self.policy.select(candidates, info)
-            return Outstanding(target, incoming.tokens, incoming.output).claim()
+            return Outstanding(target, incoming.tokens, incoming.output, incoming.samples).claim()
 
     async def _attempt(
         self,

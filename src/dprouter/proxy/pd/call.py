@@ -62,7 +62,8 @@ class Call:
             del self.claimed[side]
         else:
             output = self.incoming.output if side == "decode" else 0
-            found = Outstanding(target, self.incoming.tokens, output)
+            samples = self.incoming.samples if side == "decode" else 1  # one prefill for all
+            found = Outstanding(target, self.incoming.tokens, output, samples)
         if side == "decode":
             self.decoding = found
         return found

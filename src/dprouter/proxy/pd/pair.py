@@ -125,7 +125,9 @@ class PairProxy:
                     tokens = incoming.tokens
                     call.claimed = {
                         "prefill": Outstanding(prefill, tokens).claim(),
-                        "decode": Outstanding(decode, tokens, incoming.output).claim(),
+                        "decode": Outstanding(
+                            decode, tokens, incoming.output, incoming.samples
+                        ).claim(),
                     }
             computing = self.computing(found, prefill)
             self.sent(found, {"prefill": prefill, "decode": decode}, started)
