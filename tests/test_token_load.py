@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from functools import partial
 
 import aiohttp
 import pytest
@@ -253,6 +254,9 @@ async def test_a_request_sampling_n_takes_n_of_its_ranks_load(
             async with http.post(router.url + "/v1/completions", json=body) as r:
                 assert r.status == 200, await r.text()
 
+        def arrived(n: int) -> bool:
+            return len(ranks) == n
+
         def in_flight() -> int:
             return sum(t.outstanding for t in router.registry.targets())
 
@@ -260,7 +264,7 @@ async def test_a_request_sampling_n_takes_n_of_its_ranks_load(
         assert await until(lambda: in_flight() == 4)
         for i in range(3):  # one after another, each still running when the next goes
             sent.append(asyncio.create_task(send(1, i)))
-            assert await until(lambda i=i: len(ranks) == i + 2)
+            assert await until(partial(arrived, i + 2))
         release.set()
         await asyncio.gather(*sent)
     (_, group), *singles = ranks
