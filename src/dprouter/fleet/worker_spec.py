@@ -41,8 +41,9 @@ class WorkerSpec:
     model: str | None = None
     bootstrap_port: int | None = None  # P/D prefill; None: SGLang's /server_info, vLLM's 8998
     tp_size: int | None = None  # P/D peers are told it (MoRIIO); None: as discovered, else 1
-    # KV-cache events: tcp://HOST:PORT, rank r publishing on PORT + r (the engines' layout),
-    # or auto (vLLM's GET /kv_event_sources says); a replay socket likewise (docs/kv-events.md)
+    # KV-cache events: tcp://HOST:PORT, rank r publishing on PORT + r (the engines' layout;
+    # HOST * is the worker's host), or auto (vLLM's GET /kv_event_sources, SGLang's
+    # /server_info say); a replay socket likewise (docs/kv-events.md)
     kv_events: str | None = None
     kv_replay: str | None = None
     # the engine's KV block size in tokens (vLLM --block-size, SGLang --page-size): known
@@ -95,25 +96,63 @@ def check_worker(spec: WorkerSpec) -> WorkerSpec:
 
 
 def check_kv_events(spec: WorkerSpec, url: str) -> None:
-    for name in ("kv_events", "kv_replay"):
-        value = getattr(spec, name)
-        if value is None or (value == "auto" and name == "kv_events"):
-            continue
-        where = urlsplit(value)
-        try:
-            port = where.port
-        except ValueError:
-            port = None
-        if where.scheme != "tcp" or not where.hostname or port is None:
-            raise ConfigError(
-                f"worker {url}: {name} must be tcp://HOST:PORT"
-                + (" or auto" if name == "kv_events" else "")
-                + f", got {value!r}"
-            )
+    """What cannot work is refused here, at start-up (or when the worker is added),
+    not warned about forever by the subscribers."""
+    ports = {name: kv_port(spec, name, url) for name in ("kv_events", "kv_replay")}
     if spec.kv_replay is not None and spec.kv_events is None:
         raise ConfigError(f"worker {url}: kv_replay needs kv_events")
+    if spec.kv_replay is not None and spec.kv_events == "auto":
+        raise ConfigError(
+            f"worker {url}: kv_replay with kv_events=auto: the engine names its replay "
+            "socket itself; give both as tcp://HOST:PORT, or auto alone"
+        )
     if spec.kv_block_size is not None and spec.kv_block_size < 1:
         raise ConfigError(f"worker {url}: kv_block_size must be at least 1")
+    if spec.kv_block_size is not None and spec.kv_events is None:
+        raise ConfigError(f"worker {url}: kv_block_size sizes KV-event ranks: it needs kv_events")
+    last = (spec.rank_offset or 0) + (spec.dp_size or 1) - 1  # the last rank, the engine's
+    for name, port in ports.items():
+        if port is not None and port + last > 65535:
+            raise ConfigError(
+                f"worker {url}: {name} port {port} + rank {last} is past 65535 "
+                "(rank r publishes on port + r)"
+            )
+    events, replay = ports["kv_events"], ports["kv_replay"]
+    if events is not None and replay is not None:
+        width = spec.dp_size or 1
+        same_host = urlsplit(str(spec.kv_events)).hostname == urlsplit(str(spec.kv_replay)).hostname
+        if same_host and abs(events - replay) < width:
+            raise ConfigError(
+                f"worker {url}: kv_events and kv_replay ports overlap over {width} ranks "
+                f"(rank r uses port + r of each): {events} and {replay}"
+            )
+
+
+def kv_port(spec: WorkerSpec, name: str, url: str) -> int | None:
+    """The port of ``tcp://HOST:PORT`` (None: not given, or auto); anything else fails."""
+    value: str | None = getattr(spec, name)
+    if value is None or (value == "auto" and name == "kv_events"):
+        return None
+    where = urlsplit(value)
+    try:
+        port = where.port
+    except ValueError:
+        port = None
+    if (
+        where.scheme != "tcp"
+        or not where.hostname
+        or not port  # 0 is where an engine binds a free port, never where it is found
+        or where.path
+        or where.query
+        or where.fragment
+        or where.username
+    ):
+        raise ConfigError(
+            f"worker {url}: {name} must be tcp://HOST:PORT"
+            + (" or auto" if name == "kv_events" else "")
+            + f", got {value!r}"
+        )
+    return port
 
 
 # the SGLang gateway's names for the same keys (RL frameworks register workers so)

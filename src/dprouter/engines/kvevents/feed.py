@@ -5,67 +5,50 @@ rank; one that leaves, fails its health checks or changes its ranks has its stre
 stopped, and a stopped stream empties its rank in the index. Each serving process
 (and each replica) runs its own, so all build the same index from the same events.
 
-Where rank r publishes: ``kv_events=tcp://HOST:PORT`` means PORT + r (+ the worker's
-``rank_offset``: vLLM offsets by the global rank), as vLLM and SGLang lay their
-publishers out; ``kv_events=auto`` asks vLLM's ``GET /kv_event_sources``, whose
-``tcp://*:P`` means the worker's own host.
+Where rank r publishes (``sources``): ``kv_events=tcp://HOST:PORT`` means PORT + r (+
+the worker's ``rank_offset``: the engines offset by the global rank); ``kv_events=auto``
+asks the engine, once per worker for all its ranks. An engine that says it publishes
+nothing (or vLLM's endpoint answers 404) is logged once with the reason and asked again
+every ``quiet`` seconds, or when the worker comes back; one that does not answer, every
+``retry`` seconds, logged once per reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import zmq.asyncio
 
+from dprouter.engines.kvevents import sources
 from dprouter.engines.kvevents.index import KvIndex
 from dprouter.engines.kvevents.subscriber import RankStream
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
 
 log = logging.getLogger("dprouter.kvevents")
-RETRY = 2.0  # seconds between asks of /kv_event_sources that failed
-
-
-def offset(endpoint: str, by: int) -> str:
-    host, _, port = endpoint.rpartition(":")
-    return f"{host}:{int(port) + by}"
-
-
-def on_host(endpoint: str, worker_url: str) -> str:
-    """``tcp://*:P`` (or 0.0.0.0) as the engine binds it -> the worker's host."""
-    host = urlsplit(worker_url).hostname or "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    for wild in ("*", "0.0.0.0", "[::]"):
-        endpoint = endpoint.replace(f"//{wild}:", f"//{host}:")
-    return endpoint
-
-
-def sources(answer: Any, worker: Worker) -> dict[int, tuple[str, str | None]]:
-    """vLLM's ``/kv_event_sources``: rank -> (endpoint, replay endpoint)."""
-    found: dict[int, tuple[str, str | None]] = {}
-    if isinstance(answer, dict):
-        for rank, source in answer.items():
-            if isinstance(source, dict) and isinstance(source.get("endpoint"), str):
-                replay = source.get("replay_endpoint")
-                found[int(rank)] = (
-                    on_host(source["endpoint"], worker.url),
-                    on_host(replay, worker.url) if isinstance(replay, str) else None,
-                )
-    return found
+RETRY = 2.0  # seconds between asks of an engine that did not answer
+QUIET = 60.0  # ...and of one that said it publishes nothing
 
 
 class Feed:
-    def __init__(self, registry: Registry, index: KvIndex, probe: float = 10.0) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        index: KvIndex,
+        probe: float = 10.0,
+        retry: float = RETRY,
+        quiet: float = QUIET,
+    ) -> None:
         self.registry = registry
         self.index = index
-        self.probe = probe
+        self.probe, self.retry, self.quiet = probe, retry, quiet
         self.ctx = zmq.asyncio.Context()
         self.streams: dict[tuple[str, int], tuple[RankStream, asyncio.Task[None]]] = {}
+        # kv_events=auto: one question per worker (and rank count) for all its ranks
+        self.asking: dict[str, tuple[int, asyncio.Task[sources.Sources]]] = {}
+        self.asks = 0  # questions put to engines, answered or not
         self._session: aiohttp.ClientSession | None = None
         self._sync: asyncio.Task[None] | None = None
         self._due = False
@@ -78,12 +61,14 @@ class Feed:
     async def stop(self) -> None:
         if self.changed in self.registry.listeners:
             self.registry.listeners.remove(self.changed)
-        for task in [self._sync, *(task for _, task in self.streams.values())]:
-            if task is not None:
-                task.cancel()
-        tasks = [t for _, t in self.streams.values()]
-        await asyncio.gather(*tasks, *([self._sync] if self._sync else []), return_exceptions=True)
+        tasks = [t for _, t in self.streams.values()] + [t for _, t in self.asking.values()]
+        if self._sync is not None:
+            tasks.append(self._sync)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.streams.clear()
+        self.asking.clear()
         if self._session is not None:
             await self._session.close()
         self.ctx.term()
@@ -105,6 +90,13 @@ class Feed:
         for name in [n for n in self.streams if n not in wanted]:
             _, task = self.streams.pop(name)
             task.cancel()  # its rank is emptied as it stops
+        workers = {w.id: w for w in wanted.values()}
+        for wid, (ranks, asking) in list(self.asking.items()):
+            if wid not in workers or ranks != max(workers[wid].ranks, 1):
+                del self.asking[wid]  # gone, or other ranks: asked afresh when wanted
+                asking.cancel()
+                for name in [n for n in self.streams if n[0] == wid]:
+                    self.streams.pop(name)[1].cancel()  # they awaited that answer
         for name, worker in wanted.items():
             if name not in self.streams or self.streams[name][1].done():
                 self._start(name, worker)
@@ -118,28 +110,57 @@ class Feed:
         self.streams[name] = (stream, task)
 
     async def _run(self, stream: RankStream, worker: Worker) -> None:
-        base = worker.kv_events
-        by = stream.rank + (worker.rank_offset or 0)
-        if base == "auto":
-            found: dict[int, tuple[str, str | None]] = {}
-            while by not in found:  # keyed by the engine's own (global) rank
-                found = await self._ask(worker)
-                if by not in found:
-                    await asyncio.sleep(RETRY)
+        by = stream.rank + (worker.rank_offset or 0)  # the engine's own (global) rank
+        if worker.kv_events == "auto":
+            found = await asyncio.shield(self._asked(worker))
             stream.endpoint, stream.replay_endpoint = found[by]
-        elif base is not None:
-            stream.endpoint = offset(base, by)
-            stream.replay_endpoint = offset(worker.kv_replay, by) if worker.kv_replay else None
+        else:
+            stream.endpoint, stream.replay_endpoint = sources.configured(worker, by)
         log.info("KV events of %s/%d from %s", *stream.name, stream.endpoint)
-        await stream.run()
-
-    async def _ask(self, worker: Worker) -> dict[int, tuple[str, str | None]]:
-        assert self._session is not None
         try:
-            async with self._session.get(f"{worker.url}/kv_event_sources") as answer:
-                if answer.status == 200:
-                    return sources(await answer.json(content_type=None), worker)
-                log.warning("%s/kv_event_sources answered %d", worker.url, answer.status)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.warning("%s/kv_event_sources: %s", worker.url, exc)
-        return {}
+            await stream.run()
+        except zmq.ZMQError as exc:  # followed again when the worker comes back
+            log.warning("KV events of %s/%d from %s: %s", *stream.name, stream.endpoint, exc)
+
+    def _asked(self, worker: Worker) -> asyncio.Task[sources.Sources]:
+        ranks = max(worker.ranks, 1)
+        held = self.asking.get(worker.id)
+        if held is not None and held[1].done():  # an answer is kept, a failure asked again
+            failed = held[1].cancelled() or held[1].exception() is not None
+            held = None if failed else held
+        if held is None or held[0] != ranks:
+            task = asyncio.create_task(self._ask(worker), name=f"kv-event sources {worker.id}")
+            held = self.asking[worker.id] = (ranks, task)
+        return held[1]
+
+    async def _ask(self, worker: Worker) -> sources.Sources:
+        """Ask until the engine names every rank's publisher; each reason to ask again
+        is logged once, not once a retry (nor once a rank)."""
+        assert self._session is not None
+        first = worker.rank_offset or 0
+        needed = set(range(first, first + max(worker.ranks, 1)))
+        said = None
+        while True:
+            self.asks += 1
+            wait = self.quiet
+            try:
+                found = await sources.ask(self._session, worker)
+                missing = needed - set(found)
+                if not missing:
+                    return found
+                reason = f"the engine names no publisher of its ranks {sorted(missing)}"
+            except sources.NoEvents as exc:
+                reason = str(exc)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                reason, wait = f"asking where it publishes: {exc!r}", self.retry
+            if reason != said:
+                said = reason
+                log.warning(
+                    "%s (%s) has kv_events=auto but no KV events to follow: %s; "
+                    "asking again every %g s",
+                    worker.id,
+                    worker.url,
+                    reason,
+                    wait,
+                )
+            await asyncio.sleep(wait)

@@ -89,9 +89,9 @@ class RankStream:
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        sub.connect(self.endpoint)
         handshakes = 0
-        try:
+        try:  # every socket closed whatever ends the stream: a context with one left never ends
+            sub.connect(self.endpoint)
             await self._replay(0)  # what the engine holds from before we joined
             self.joined.set()
             while True:
@@ -194,8 +194,8 @@ class RankStream:
         self.counts.replays += 1
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.replay_endpoint)
         try:
+            dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 # not wait_for: on 3.11 it swallows a cancel that lands as the frames do,

@@ -127,6 +127,15 @@ class KvPublishers:
             return None
         return f"{endpoint.rpartition(':')[0]}:{base + rank}"
 
+    def given(self) -> dict[str, object]:
+        """The engine's ``--kv-events-config`` as it was given, with the base ports it
+        bound (a port 0 resolved): what SGLang's ``/server_info`` says as
+        ``kv_events_config``; rank r adds r to each port."""
+        wire = self.config.wire()
+        wire["endpoint"] = self._offset(self.config.endpoint, self.base, 0)
+        wire["replay_endpoint"] = self._offset(self.config.replay_endpoint, self.replay_base, 0)
+        return wire
+
     def sources(self) -> dict[str, dict[str, object]]:
         """vLLM's ``GET /kv_event_sources``: each rank's resolved publisher config."""
         out: dict[str, dict[str, object]] = {}

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.kvevents import KvEventsConfig
 from dprouter.sim.model.rank import Rank
 
 if TYPE_CHECKING:
@@ -91,8 +93,24 @@ def server_info(server: SimServer) -> dict[str, Any]:
         "max_req_input_len": c.limits.max_model_len - 1,
         "internal_states": states,
         "version": VERSION,
+        "kv_events_config": kv_events_config(server),
         "kv_events": kv_events(server),
     }
+
+
+def kv_events_config(server: SimServer) -> str | None:
+    """SGLang's server arg as given: the ``--kv-events-config`` JSON string, ``None``
+    without one (``server_args.resolved_dict()`` in ``utils/common.py``'s
+    ``build_server_info``); the sim's resolves a port 0 to the ports it bound. A config
+    given but off says ``"publisher": "null"``, as SGLang publishes nothing then."""
+    config = server.config.kv_events
+    if server.kv is not None:
+        given = server.kv.given()
+    elif config != KvEventsConfig():
+        given = config.wire()
+    else:
+        return None
+    return json.dumps({k: v for k, v in given.items() if v is not None})
 
 
 def kv_events(server: SimServer) -> dict[str, Any] | None:
