@@ -265,3 +265,10 @@ async def test_sglangs_base_colon_adapter_goes_only_where_the_adapter_is_loaded(
         return {s.url: sum(r.body.get("model") == model for r in s.received) for s in cluster}
 
     assert count(f"{BASE}:{SQL}") == {without.url: 0, with_.url: 8}
+    # SGLang's own /generate names the adapter in lora_path (RL frameworks' LoRA rollouts)
+    for i in range(4):
+        body = {"text": words(i, 20), "lora_path": SQL, "sampling_params": {"max_new_tokens": 2}}
+        async with http.post(router.url + "/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+    by_path = {s.url: sum(r.body.get("lora_path") == SQL for r in s.received) for s in cluster}
+    assert by_path == {without.url: 0, with_.url: 4}

@@ -79,6 +79,17 @@ class Snapshot:
             found = self._pools[key] = interleave(chosen)
         return found
 
+    def named(self, model: str | None, lora_path: object = None) -> str | None:
+        """The name a request's pool is chosen by: its ``model``, or, when the body names
+        a loaded adapter in SGLang's ``lora_path`` (a batch: its first), that adapter --
+        ``base:adapter`` under a base model's name, the adapter alone with no model (the
+        workers that list it). An adapter no worker lists leaves the model's pool."""
+        if isinstance(lora_path, list):
+            lora_path = lora_path[0] if lora_path else None
+        if not isinstance(lora_path, str) or lora_path not in self.known_models:
+            return model
+        return lora_path if model is None else f"{model}:{lora_path}"
+
     def adapter(self, model: str) -> tuple[str, str] | None:
         """SGLang's ``base:adapter`` (``_parse_model_parameter``): (base, adapter) when
         both are names the workers list, the adapter loaded on some (its card in

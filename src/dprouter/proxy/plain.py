@@ -71,7 +71,7 @@ class Proxy:
             p.registry,
             p.metrics,
             ("regular",),
-            client.incoming.model,
+            p.registry.snapshot.named(client.incoming.model, client.incoming.body.get("lora_path")),
             p.config.hold_wait,
             dialect,
             None if client.pinned is None else {"regular": client.pinned},

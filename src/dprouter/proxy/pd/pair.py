@@ -88,7 +88,7 @@ class PairProxy:
             p.registry,
             p.metrics,
             ("prefill", "decode"),
-            client.incoming.model,
+            p.registry.snapshot.named(client.incoming.model, client.incoming.body.get("lora_path")),
             p.config.hold_wait,
             pinned=pinned,
         )
