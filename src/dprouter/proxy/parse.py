@@ -57,6 +57,14 @@ def _limit(body: Mapping[str, Any], *names: str, least: int = 1) -> int | None:
     return None
 
 
+def _samples(body: Mapping[str, Any]) -> int:
+    """``n``, the sequences sampled from the prompt, as the router counts them: what is not
+    a positive integer counts 1 and goes to the engine, whose answer says what it makes
+    of it (the router refuses only what it must read to route)."""
+    n = body.get("n")
+    return n if type(n) is int and n > 1 else 1
+
+
 def _chat_text(messages: list[Any]) -> tuple[str, int]:
     """The first AFFINITY_CHARS of the conversation, and its whole length in characters."""
     parts: list[str] = []
@@ -181,11 +189,11 @@ def parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> Incoming:
         params = _typed(body, "sampling_params", (dict,), "an object") or {}
         limit = _limit(params, "max_new_tokens", least=0)  # SGLang: 0 is prefill only
         exact = _exact(params, limit, "min_new_tokens")
-        samples = _limit(params, "n") or 1
+        samples = _samples(params)
     else:
         limit = _limit(body, "max_completion_tokens", "max_tokens")
         exact = _exact(body, limit, "min_tokens")  # vLLM's sampling fields, in the body
-        samples = _limit(body, "n") or 1
+        samples = _samples(body)
     text, prompt_tokens = _prompt(body, kind)
     output = (DEFAULT_OUTPUT if limit is None else limit) * samples
     return Incoming(
