@@ -23,6 +23,7 @@ SCENARIOS = {
     "dp-attention": "dp_attention",
     "prefix": "prefix",
     "groups": "groups",
+    "groups-peers": "groups_peers",
     "peers": "peers",
     "overhead": "overhead",
     "burst": "burst",
