@@ -16,7 +16,7 @@ from dprouter.bench.command import bench
 from dprouter.bench.harness import peer_routers
 from dprouter.bench.harness.procs import Proc
 from dprouter.bench.report.results import Result, Table, write_report
-from dprouter.bench.scenarios import aliasing, burst, dp_attention, prefix, sim_scale
+from dprouter.bench.scenarios import aliasing, burst, dp_attention, groups, prefix, sim_scale
 
 
 def test_aliasing_reproduces_half_idle_ranks_and_dprouter_covers_all(tmp_path: Path) -> None:
@@ -138,6 +138,21 @@ def test_affinity_policies_keep_more_prefix_hits() -> None:
 
 
 AFFINITY = ("round_robin", "consistent_hash", "cache_aware", "prefix")
+
+
+@pytest.mark.slow
+def test_grpo_groups_hit_the_cache_at_round_robins_latency() -> None:
+    """The GRPO shape on DP-attention SGLang personas, 6 seeds: prefix hits more of the
+    prompts than cache_aware, its p90 latency at most round robin's, and no group is
+    piled on one rank while another idles (measured: 67 %, 54 %; 4.16 s, 4.30 s)."""
+    found = {
+        p: groups.summarise([groups.measure(p, "grpo", s) for s in range(groups.SEEDS)])
+        for p in ("round_robin", "cache_aware", "prefix")
+    }
+    rr, ca, prefix_ = found["round_robin"], found["cache_aware"], found["prefix"]
+    assert prefix_["hit_rate"] >= ca["hit_rate"] + 0.05
+    assert prefix_["latency_p90"] <= rr["latency_p90"]
+    assert prefix_["piled_while_idle_max"] == 0 and prefix_["on_one"] == 0
 
 
 @pytest.mark.slow
