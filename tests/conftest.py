@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
@@ -23,6 +24,13 @@ from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.server.router import Router
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.model.config import EngineConfig
+from dprouter.sim.model.vocab import write_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tokenizer files the simulated engines and the router both read (written once)."""
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 class StartCluster(Protocol):

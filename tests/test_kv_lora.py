@@ -38,7 +38,6 @@ from tests.test_kv_routing import (
     send,
     spec,
     tok,  # noqa: F401  (a fixture)
-    tokenizer_dir,  # noqa: F401  (a fixture)
     words,
 )
 
@@ -146,7 +145,7 @@ async def test_an_adapters_repeated_prompt_goes_where_its_adapter_holds_it(
     start_cluster: StartCluster,
     start_router: StartRouter,
     http: aiohttp.ClientSession,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     tok: ModelTokenizer,  # noqa: F811
     persona: str,
 ) -> None:
@@ -195,7 +194,7 @@ async def test_sglang_lora_path_runs_the_adapter_and_finds_its_blocks(
     start_cluster: StartCluster,
     start_router: StartRouter,
     http: aiohttp.ClientSession,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
     tok: ModelTokenizer,  # noqa: F811
 ) -> None:
     """SGLang's other spelling, ``lora_path`` beside the base model, on /generate."""
@@ -217,7 +216,7 @@ async def test_an_adapters_requests_go_only_where_it_is_loaded(
     start_cluster: StartCluster,
     start_router: StartRouter,
     http: aiohttp.ClientSession,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
 ) -> None:
     """vLLM lists a loaded adapter in /v1/models (``parent``: its base): the registry
     learns it there, and the adapter's pool is the workers that list it."""
@@ -245,7 +244,7 @@ async def test_sglangs_base_colon_adapter_goes_only_where_the_adapter_is_loaded(
     start_cluster: StartCluster,
     start_router: StartRouter,
     http: aiohttp.ClientSession,
-    tokenizer_dir: Path,  # noqa: F811
+    tokenizer_dir: Path,
 ) -> None:
     """SGLang runs ``base:adapter`` with the adapter, and lists a loaded adapter in
     /v1/models (``parent``: its base): such a request's pool is the SGLang workers that

@@ -19,17 +19,11 @@ from dprouter.core.errors import ConfigError
 from dprouter.core.tokenizer import ModelTokenizer
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.sim.model.config import EngineConfig
-from dprouter.sim.model.vocab import write_tokenizer
 from tests.conftest import StartCluster, StartRouter
 from tests.kv_publisher import Publisher, stored
 
 BLOCK = 16
 SYSTEM = "You are the router's test. " * 60  # ~ 300 tokens: many blocks
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @asynccontextmanager

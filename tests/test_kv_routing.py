@@ -29,7 +29,6 @@ from dprouter.sim.http.server import SimServer
 from dprouter.sim.model.config import EngineConfig, RankLimits
 from dprouter.sim.model.kvevents import Encoding, KvEventsConfig
 from dprouter.sim.model.prefix import block_hashes
-from dprouter.sim.model.vocab import write_tokenizer
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 
 BLOCK = 16
@@ -37,11 +36,6 @@ DP = 4
 U64 = (1 << 64) - 1
 PERSONAS = ("vllm", "sglang")
 FLUSH = {"vllm": "/reset_prefix_cache", "sglang": "/flush_cache"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import WorkerSpec, parse_worker
 from dprouter.sim.model.config import EngineConfig
 from dprouter.sim.model.kvevents import KvEventsConfig
-from dprouter.sim.model.vocab import write_tokenizer
 from tests.conftest import StartCluster, StartRouter, serving, until
 from tests.test_kv_routing import (
     DP,
@@ -39,11 +38,6 @@ from tests.test_kv_routing import (
     send,
     words,
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def warned(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -25,17 +25,11 @@ from dprouter.server.router import Router
 from dprouter.sim.http.server import SimServer
 from dprouter.sim.model.config import EngineConfig, PdConfig, RankLimits
 from dprouter.sim.model.kvevents import KvEventsConfig
-from dprouter.sim.model.vocab import write_tokenizer
 from tests.conftest import StartCluster, StartRouter, metric_sum, until
 
 BLOCK = 16
 FLOWS: tuple[PdMode, ...] = ("vllm-nixl", "vllm-mooncake", "sglang")
 Messages = list[dict[str, str]]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def engine(

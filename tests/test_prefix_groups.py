@@ -20,13 +20,6 @@ from tests.test_kv_routing import BLOCK, engine, prefix_config, send, spec, word
 SAMPLES = 8
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dprouter.sim.model.vocab import write_tokenizer
-
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
 @pytest.mark.parametrize("persona", ["vllm", "sglang"])
 async def test_a_group_computes_its_prompt_once_per_rank_it_reaches(
     start_cluster: StartCluster,

@@ -22,7 +22,6 @@ from dprouter.sim.http.server import SimServer
 from dprouter.sim.model.config import EngineConfig, RankLimits
 from dprouter.sim.model.kvevents import KvEventsConfig
 from dprouter.sim.model.tokens import tokenize
-from dprouter.sim.model.vocab import write_tokenizer
 from tests.conftest import StartCluster
 
 U64 = (1 << 64) - 1
@@ -288,11 +287,6 @@ def test_config_fails_loudly() -> None:
         KvEventsConfig.from_json('{"encoding": "json"}')
     config = KvEventsConfig.from_json('{"enable_kv_cache_events": true, "topic": "kv"}')
     assert config.enabled and config.wire()["publisher"] == "zmq"
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 async def test_a_tokenizer_gives_the_events_the_ids_a_router_computes(
