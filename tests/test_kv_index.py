@@ -187,6 +187,19 @@ def test_pending_blocks_count_as_held_and_as_queued_prefill() -> None:
     assert index.size == 1  # nothing claimed as stored
 
 
+def test_one_walk_says_what_is_held_and_what_of_it_is_stored() -> None:
+    """Rank 0 stores the prompt's first block and has the rest pending; rank 1 stores two
+    blocks: held 4 and 2, stored 1 and 2 (what ``prefix`` counts in full)."""
+    index, keys, mask = pending_setup()
+    zero, one = index.ranks[("w0", 0)], index.rank("w0", 1)
+    index.apply(one, [Stored([7, 8], None, PROMPT[:32], 16)])
+    stored: dict[int, int] = {}
+    both = mask | 1 << one.bit
+    assert index.match(keys, both, stored) == {zero.bit: 4, one.bit: 2}
+    assert stored == {zero.bit: 1, one.bit: 2}
+    assert index.match(keys, both) == {zero.bit: 4, one.bit: 2}  # without: the same held
+
+
 def test_pending_blocks_expire_after_the_ttl() -> None:
     index, keys, mask = pending_setup(ttl=2.0)
     rank = index.ranks[("w0", 0)]

@@ -236,30 +236,42 @@ class KvIndex:
         else:
             del self.entries[key]
 
-    def match(self, keys: Iterable[int], among: int, pending: bool = True) -> dict[int, int]:
+    def match(
+        self, keys: Iterable[int], among: int, stored: dict[int, int] | None = None
+    ) -> dict[int, int]:
         """How many of the leading ``keys`` each rank of the mask ``among`` holds or has
-        pending (``pending`` False: holds, as its events stored them), by rank bit
-        (ranks holding none are left out): O(blocks matched)."""
+        pending, by rank bit (ranks holding none are left out): O(blocks matched).
+        ``stored``, if given, gets the same of what each holds as its events stored it
+        (pending blocks left out), in the same walk."""
         held: dict[int, int] = {}
-        alive, entries = among, self.entries
-        pending_on = self.pending if pending else {}
+        alive, entries, pending = among, self.entries, self.pending
+        done = among if stored is not None else 0  # within alive: stored is held
         depth = 0
         for key in keys:
-            holders = (entries.get(key, 0) >> DEPTH_BITS) & alive
-            if pending_on:
-                holders |= pending_on.get(key, 0) & alive
-            gone = alive & ~holders
-            if gone and depth:
-                while gone:
-                    low = gone & -gone
-                    held[low.bit_length() - 1] = depth
-                    gone ^= low
+            mask = entries.get(key, 0) >> DEPTH_BITS
+            holders = mask & alive
+            if pending:
+                holders |= pending.get(key, 0) & alive
+            if done:
+                kept = mask & done
+                if depth and stored is not None:
+                    _note(stored, done & ~kept, depth)
+                done = kept
+            if depth:
+                _note(held, alive & ~holders, depth)
             alive = holders
             if not alive:
                 return held
             depth += 1
-        while alive:
-            low = alive & -alive
-            held[low.bit_length() - 1] = depth
-            alive ^= low
+        _note(held, alive, depth)
+        if stored is not None:
+            _note(stored, done, depth)
         return held
+
+
+def _note(out: dict[int, int], bits: int, depth: int) -> None:
+    """``out[bit] = depth`` for each bit set in ``bits``."""
+    while bits:
+        low = bits & -bits
+        out[low.bit_length() - 1] = depth
+        bits ^= low

@@ -107,10 +107,11 @@ class Matcher:
             if (size, start) not in chains:
                 chains[size, start] = prompt_keys(ids, size, start)
             keys[group] = chains[size, start]
-            for bit, blocks in index.match(keys[group], among).items():
+            done: dict[int, int] | None = {} if stored is not None else None
+            for bit, blocks in index.match(keys[group], among, done).items():
                 held[labels[bit]] = blocks * size
-            if stored is not None:  # some blocks pending somewhere: what is stored of it
-                for bit, blocks in index.match(keys[group], among, pending=False).items():
+            if stored is not None and done:  # some blocks pending somewhere: what is stored
+                for bit, blocks in done.items():
                     stored[labels[bit]] = blocks * size
         queued = self.queued if index.pending else None
         return Found(Prefix(len(ids), held, queued, stored), keys, ranks)
