@@ -29,7 +29,6 @@ from e2e.sglang import server as sglang_server
 
 from dprouter.bench.scenarios.makespan import engine_lock
 from dprouter.config import RouterConfig
-from dprouter.engines.kvevents import computing
 from dprouter.fleet.worker_spec import WorkerSpec
 from e2e import vllm_server
 from tests.conftest import StartRouter
@@ -42,7 +41,7 @@ LOCK_WAIT = 1500.0  # seconds
 SAMPLES = 8
 PROMPT = 1000  # tokens: half the tiny models' 2,048 positions
 FIRST_ID = 4  # past the tiny tokenizers' special tokens (<s> </s> <pad> <unk>)
-ROUNDS = 3  # of a group alone and two at once, held and not
+ROUNDS = 3  # of a group alone and two at once, through the router and straight
 PAGE = 16  # SGLang --page-size: its KV events come one page a block (1 by default)
 
 
@@ -148,20 +147,17 @@ async def test_sglang_computes_a_groups_prompt_once_per_rank_through_the_router(
     sglang_engine: EventsSglang,
     start_router: StartRouter,
     http: aiohttp.ClientSession,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Groups of 8 samples, one at a time and two at once, each through the router with
-    its hold, then without it (``AFTER_COMPUTE`` emptied): with the hold each group
-    computes its prompt once per rank it reaches, every time; without it, more often.
+    its hold, then the same sent straight to the engine on the ranks the router chose:
+    through the router each group computes its prompt once per rank it reaches, every
+    time; straight to the engine, more often.
 
-    Measured, samples that computed the prompt (every group reached both ranks but one,
-    held, that reached one): held, once per rank in all 29 groups of 4 runs; not held,
-    2 to 4 a group, 24, 26 and 26 in the 9 groups of a run against the 18 ranks they
-    reached (the machine quiet or running another engine alike). An idle rank computes
-    the 1,000 tokens in ~0.1 s and a sample arriving meanwhile hits them; those reaching
-    the scheduler in the first one's step compute them again, as the router's send
-    times decide, so a group may lose nothing without the hold (10 of 29 did not):
-    only the total is asserted."""
+    Measured: through the router, once per rank in every group (29 of 4 earlier runs,
+    9 of this one); straight to the engine, each rank's samples in one batch, 2 to 6 a
+    group, 39 in a run's 9 groups against the 17 ranks they reached. A rank given one
+    sample computes it once either way, so only the total is asserted for the engine
+    alone."""
     spec = WorkerSpec(
         sglang_engine.url,
         kv_events=f"tcp://127.0.0.1:{sglang_engine.events}",
@@ -180,9 +176,9 @@ async def test_sglang_computes_a_groups_prompt_once_per_rank_through_the_router(
     router = await start_router(config)
     whole = (PROMPT - 1) // PAGE * PAGE  # SGLang leaves the last token to compute too
 
-    async def groups(seeds: list[int]) -> list[tuple[Counter[str], list[int]]]:
-        """The groups, all at once, through the router: per group, the targets it chose
-        and each sample's cached tokens as the engine counted them."""
+    async def groups(seeds: list[int]) -> list[tuple[Counter[str], list[int], list[str]]]:
+        """The groups, all at once, through the router: per group, the targets it chose,
+        each sample's cached tokens as the engine counted them, and each one's target."""
 
         async def sample(ids: list[int]) -> tuple[str, int]:
             body: dict[str, Any] = {
@@ -202,21 +198,39 @@ async def test_sglang_computes_a_groups_prompt_once_per_rank_through_the_router(
         out = []
         for g in range(len(seeds)):
             mine = answers[g * SAMPLES : (g + 1) * SAMPLES]
-            out.append((Counter(t for t, _ in mine), [c for _, c in mine]))
+            out.append((Counter(t for t, _ in mine), [c for _, c in mine], [t for t, _ in mine]))
         return out
+
+    async def direct(seed: int, ranks: list[str]) -> tuple[Counter[str], list[int]]:
+        """A group straight to the engine on the ranks the router's group before it took
+        (``w0/R``), each rank's samples in one batch request: they reach its scheduler
+        together, as samples a router sends at once can, and no router holds any."""
+        reached = Counter(ranks)
+
+        async def batch(target: str, n: int) -> list[int]:
+            body: dict[str, Any] = {
+                "input_ids": [group_prompt(seed, 1024)] * n,
+                "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
+                "routed_dp_rank": int(target.rsplit("/", 1)[1]),
+            }
+            async with http.post(sglang_engine.url + "/generate", json=body) as r:
+                assert r.status == 200, await r.text()
+                return [int(a["meta_info"]["cached_tokens"]) for a in await r.json()]
+
+        cached = await asyncio.gather(*(batch(t, n) for t, n in reached.items()))
+        return reached, [c for each in cached for c in each]
 
     found: dict[str, list[tuple[int, int]]] = {}  # (ranks reached, samples that computed)
     seed = 10
     for _round in range(ROUNDS):
         for at_once in (1, 2):
-            for held in (True, False):
-                with monkeypatch.context() as m:
-                    if not held:
-                        m.setattr(computing, "AFTER_COMPUTE", frozenset())
-                    result = await groups(list(range(seed, seed + at_once)))
-                seed += at_once
-                for ranks, cached in result:
-                    key = f"{at_once} at once, {'held' if held else 'not held'}"
+            result = await groups(list(range(seed, seed + at_once)))
+            seed += at_once
+            alone = [await direct(seed + g, targets) for g, (_, _, targets) in enumerate(result)]
+            seed += at_once
+            for name, runs in (("held", result), ("straight to the engine", alone)):
+                for ranks, cached, *_ in runs:
+                    key = f"{at_once} at once, {name}"
                     found.setdefault(key, []).append((len(ranks), sum(c < whole for c in cached)))
     SUMMARY.append(
         f"SGLang groups of {SAMPLES} x {PROMPT} tokens through the router, "
