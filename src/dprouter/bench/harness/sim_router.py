@@ -81,6 +81,7 @@ class SimRouter:
         self.sim: OfflineSim | None = None  # set by ``run_sessions``: sends held requests
         self.decisions = 0
         self.opening: list[str] = []  # the first OPENING targets chosen, in order
+        self.last: Target | None = None  # the target of the last decision (sent or held)
 
     def route(self, cluster: Cluster, arrival: Arrival) -> tuple[int, int | None] | None:
         if self.scrape and cluster.now - self._scraped >= self.scrape:
@@ -107,6 +108,7 @@ class SimRouter:
         self.decisions += 1
         if len(self.opening) < OPENING:
             self.opening.append(target.label)
+        self.last = target
         if keys and self.sim is not None:
             self.waiting.append(Held(arrival, target, keys, cluster.now + WAIT))
             return None

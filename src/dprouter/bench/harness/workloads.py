@@ -174,17 +174,22 @@ class GrpoGroups:
     decode_cap: int = 1024
     seed: int = 0
     group: dict[int, int] = field(default_factory=dict)  # id(prompt_ids) -> group
+    arrivals: list[Arrival] = field(init=False)  # every sample, in arrival order
 
-    def first_turns(self) -> list[Arrival]:
+    def __post_init__(self) -> None:
         rng = random.Random(self.seed)
-        out = []
+        self.arrivals = []
         for g in range(self.groups):
             prompt = tokens(rng, self.prompt_len + rng.randint(-300, 300))
             self.group[id(prompt)] = g
             for _ in range(self.samples):
                 n = int(rng.lognormvariate(0, 0.6) * self.decode_median)
-                out.append(Arrival(g * self.gap, prompt, max(32, min(self.decode_cap, n))))
-        return out
+                self.arrivals.append(
+                    Arrival(g * self.gap, prompt, max(32, min(self.decode_cap, n)))
+                )
+
+    def first_turns(self) -> list[Arrival]:
+        return self.arrivals
 
     def next_turn(self, done: Arrival, req: SimRequest, now: float) -> Arrival | None:
         return None  # open loop: every sample is sent at its group's time
@@ -217,14 +222,14 @@ class SharedGroups:
                 self._queue.append(prompt)
         self._queue.reverse()  # popped from the end: in order
 
-    def _next(self, client: str, when: float) -> Arrival | None:
+    def _next(self, when: float) -> Arrival | None:
         if not self._queue:
             return None
         return Arrival(when, self._queue.pop(), self.output, key=None)
 
     def first_turns(self) -> list[Arrival]:
-        first = (self._next(f"client-{i}", 0.0) for i in range(self.concurrency))
+        first = (self._next(0.0) for _ in range(self.concurrency))
         return [a for a in first if a is not None]
 
     def next_turn(self, done: Arrival, req: SimRequest, now: float) -> Arrival | None:
-        return self._next("", now)
+        return self._next(now)

@@ -35,6 +35,32 @@ def _configs(engines: int, dp: int) -> list[EngineConfig]:
     return [EngineConfig(persona="sglang", dp_size=dp, dp_attention=True)] * engines
 
 
+class Watched(SimRouter):
+    """The router, noting where each arrival went, whether a rank had nothing in flight
+    then, and each request's latency and time to first token."""
+
+    def __init__(self, configs: Sequence[EngineConfig], policy: str) -> None:
+        super().__init__(configs, policy)
+        self.where: dict[int, str] = {}  # id(arrival) -> its target's label
+        self.idle_at: dict[int, bool] = {}  # id(arrival) -> some rank had nothing then
+        self.latency: list[float] = []
+        self.ttft: list[float] = []
+
+    def route(self, cluster: Cluster, arrival: Arrival) -> tuple[int, int | None] | None:
+        board = self.pool[0].board
+        self.idle_at[id(arrival)] = min(int(board.load[t.slot]) for t in self.pool) == 0
+        chosen = super().route(cluster, arrival)
+        assert self.last is not None
+        self.where[id(arrival)] = self.last.label
+        return chosen
+
+    def finished(self, arrival: Arrival, req: SimRequest) -> None:
+        super().finished(arrival, req)
+        assert req.finished_at is not None and req.first_token_at is not None
+        self.latency.append(req.finished_at - arrival.time)
+        self.ttft.append(req.first_token_at - arrival.time)
+
+
 def measure(
     policy: str, shape: str, seed: int, configs: Sequence[EngineConfig] | None = None
 ) -> Metrics:
@@ -46,44 +72,14 @@ def measure(
     else:
         workload = SharedGroups(seed=seed)
         configs = configs or _configs(1, 8)
-    router = SimRouter(configs, policy)
-    where: dict[int, int] = {}  # id(arrival) -> the target's position in the pool
-    idle_at: dict[int, bool] = {}  # id(arrival) -> some rank had nothing in flight then
-    latency: list[float] = []
-    ttft: list[float] = []
-    route = router.route
-
-    def routed(cluster: Cluster, arrival: Arrival) -> tuple[int, int | None] | None:
-        board = router.pool[0].board
-        idle_at[id(arrival)] = min(int(board.load[t.slot]) for t in router.pool) == 0
-        chosen = route(cluster, arrival)
-        target = router.waiting[-1].target if chosen is None else None
-        engine, rank = chosen or (router.index[target.worker.id], target.rank)  # type: ignore[union-attr]
-        where[id(arrival)] = engine << 16 | (rank or 0)
-        return chosen
-
-    finished = router.finished
-
-    def done(arrival: Arrival, req: SimRequest) -> None:
-        finished(arrival, req)
-        assert req.finished_at is not None and req.first_token_at is not None
-        latency.append(req.finished_at - arrival.time)
-        ttft.append(req.first_token_at - arrival.time)
-
-    router.route = routed  # type: ignore[method-assign]
-    router.finished = done  # type: ignore[method-assign]
-    arrivals: list[Arrival] = []
-    if isinstance(workload, GrpoGroups):
-        arrivals = workload.first_turns()
-        workload.first_turns = lambda: arrivals  # type: ignore[method-assign]
+    router = Watched(configs, policy)
     report, sim = run_sessions(configs, router, workload)
+    latency, ttft = sorted(router.latency), sorted(router.ttft)
     ranks = [r for e in sim.cluster.engines for r in e.ranks]
     hits = sum(r.stats.prefix_hits for r in ranks) / max(
         sum(r.stats.prefix_queries for r in ranks), 1
     )
     requests = [u.requests for u in report.ranks]
-    latency.sort()
-    ttft.sort()
     out: Metrics = {
         "hit_rate": hits,
         "imbalance": max(requests) / statistics.mean(requests),
@@ -95,13 +91,13 @@ def measure(
         "ttft_p99": ttft[int(len(ttft) * 0.99)],
         "req_s": len(latency) / report.makespan,
     }
-    if arrivals:
-        spread: dict[int, set[int]] = defaultdict(set)
+    if isinstance(workload, GrpoGroups):
+        spread: dict[int, set[str]] = defaultdict(set)
         piled_idle: dict[int, bool] = defaultdict(bool)
-        for a in arrivals:
+        for a in workload.arrivals:
             g = workload.group[id(a.prompt_ids)]
-            spread[g].add(where[id(a)])
-            piled_idle[g] |= idle_at[id(a)]
+            spread[g].add(router.where[id(a)])
+            piled_idle[g] |= router.idle_at[id(a)]
         widths = [len(s) for s in spread.values()]
         out["on_one"] = sum(w == 1 for w in widths)
         out["on_two"] = sum(w == 2 for w in widths)
