@@ -166,6 +166,28 @@ async def streams_up(router: Router, ranks: int) -> None:
     await asyncio.wait_for(asyncio.gather(*joins), 10)
 
 
+async def prefill_prefix(
+    start_cluster: StartCluster, start_router: StartRouter, tokenizer_dir: Path, mode: PdMode
+) -> tuple[SimServer, Router]:
+    """A DP4 prefill engine publishing its KV events, a DP2 decode publishing none, and a
+    router over them whose prefill side is ``prefix`` (the decode side's round robin is
+    left as it was), its event streams up: the prefill engine and the router."""
+    cluster = await start_cluster(
+        [engine(tokenizer_dir, 4, mode), engine(tokenizer_dir, 2, mode, "decode", events=False)]
+    )
+    prefill, decode = cluster.servers
+    config = RouterConfig(
+        pd=mode,
+        workers=tuple(pd_specs(mode, [prefill], [decode])),
+        prefill_policy="prefix",
+        tokenizers=(str(tokenizer_dir),),
+        seed=1,
+    )
+    router = await start_router(config)
+    await streams_up(router, 4)
+    return prefill, router
+
+
 @pytest.mark.parametrize("mode", FLOWS)
 async def test_a_conversation_returns_to_the_prefill_rank_holding_it(
     start_cluster: StartCluster,
@@ -177,20 +199,7 @@ async def test_a_conversation_returns_to_the_prefill_rank_holding_it(
     """Four conversations at once over a DP4 prefill (decodes publish nothing): every turn
     of one goes to the prefill rank of its first, and that engine counts the prompt of
     each turn after the first as a hit, as far as the last turn's prompt went."""
-    cluster = await start_cluster(
-        [engine(tokenizer_dir, 4, mode), engine(tokenizer_dir, 2, mode, "decode", events=False)]
-    )
-    prefill, decode = cluster.servers
-    # the prefill side's own policy: the decode side's (round robin) is left as it was
-    config = RouterConfig(
-        pd=mode,
-        workers=tuple(pd_specs(mode, [prefill], [decode])),
-        prefill_policy="prefix",
-        tokenizers=(str(tokenizer_dir),),
-        seed=1,
-    )
-    router = await start_router(config)
-    await streams_up(router, 4)
+    prefill, router = await prefill_prefix(start_cluster, start_router, tokenizer_dir, mode)
     served = await chats(http, router.url, 4, 4, 2)
     assert [len({s.prefill for s in turns}) for turns in served] == [1] * 4, served
     assert len({turns[0].prefill for turns in served}) >= 2  # spread by load, not piled on one
@@ -321,19 +330,7 @@ async def test_a_group_computes_its_prompt_once_per_prefill_rank(
     """Eight samples of one long prompt at once over a DP4 prefill: each prefill rank they
     reach computes it once. An SGLang prefill caches a prompt once computed, so a sample
     sent where a sibling is computing it waits in the router for the rank's events."""
-    cluster = await start_cluster(
-        [engine(tokenizer_dir, 4, mode), engine(tokenizer_dir, 2, mode, "decode", events=False)]
-    )
-    prefill, decode = cluster.servers
-    config = RouterConfig(
-        pd=mode,
-        workers=tuple(pd_specs(mode, [prefill], [decode])),
-        prefill_policy="prefix",
-        tokenizers=(str(tokenizer_dir),),
-        seed=1,
-    )
-    router = await start_router(config)
-    await streams_up(router, 4)
+    prefill, router = await prefill_prefix(start_cluster, start_router, tokenizer_dir, mode)
     messages = [{"role": "user", "content": words(5, 1500)}]  # ~4,900 tokens
     body = {"messages": messages, "max_tokens": 3}
 
