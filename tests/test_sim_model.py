@@ -130,6 +130,31 @@ def test_dp_attention_lock_step_makes_a_lone_request_wait_for_the_loaded_rank() 
     assert locked > 2 * alone
 
 
+def _prefill_time(dp_attention: bool, ranks: list[int]) -> float:
+    """How long one 4,000-token prompt takes, sent at once to each of ``ranks``."""
+    engine = Engine(EngineConfig(persona="sglang", dp_size=4, dp_attention=dp_attention))
+    sent = [req(f"r{i}", 4000, 1, rank=rank) for i, rank in enumerate(ranks)]
+    for r in sent:
+        engine.add(r, 0.0)
+    run(engine)
+    return max(ttft(r) for r in sent)
+
+
+def test_under_dp_attention_a_prompt_computed_on_more_ranks_costs_the_engine_more() -> None:
+    """SGLang gathers every attention-DP rank's tokens for the MLP (``dp_gather``) and
+    splits that work over all the engine's GPUs: the same prompt computed on four ranks at
+    once takes longer than on one, though each rank computes only its own."""
+    p, share = COST.prefill_per_token * 4000, COST.gathered_share
+    one = _prefill_time(True, [0])
+    four = _prefill_time(True, [0, 1, 2, 3])
+    assert one == pytest.approx(COST.step_base + p * (1 - share) + p * share / 4)
+    assert four == pytest.approx(COST.step_base + p)
+    assert four > 1.5 * one
+    # without DP attention each rank has its own GPUs: four at once cost what one does
+    assert _prefill_time(False, [0, 1, 2, 3]) == pytest.approx(_prefill_time(False, [0]))
+    assert _prefill_time(False, [0]) == pytest.approx(COST.step_base + p)
+
+
 def test_vllm_dispatch_sends_a_burst_inside_one_stats_interval_to_one_rank() -> None:
     engine = Engine(EngineConfig(dp_size=4))
     burst = [req(f"b{i}", 10, 4, t=0.001 * i) for i in range(8)]

@@ -11,7 +11,9 @@ so batch / throughput is the step's wall time, free of HTTP and dispatch. Measur
 - the KV read: the cap's batch again with long prompts (``decode_per_kv_token``, >= 0);
 - prefill against prompt length: one 1-token request per rank, its answer's wall time,
   for three lengths; the slope is ``prefill_per_token`` (the intercept, HTTP and
-  dispatch included, is recorded, not modelled).
+  dispatch included, is recorded, not modelled). Every rank computes its prompt at
+  once, so under DP attention the slope holds the gathered MLP share as well
+  (``gathered_share``: summed over the ranks, split over as many GPUs).
 
 Each decode burst's lines are counted per rank as well: ``N`` output tokens cost a
 rank ``N - 1`` decode steps, which is what the simulator counts. The shape and limits

@@ -45,8 +45,14 @@ class CostModel:
     prefill_per_token: float = 4.0e-5  # each uncached prompt token computed
     decode_per_kv_token: float = 0.0  # each token of KV held by the batch, read every step
     max_batched_tokens: int = 8192  # chunked-prefill budget per step (decodes count 1 each)
+    # Under DP attention the MLP (or MoE) layers run on every rank's tokens gathered
+    # (SGLang's dp_gather, vLLM's expert all-to-all), split over all the engine's GPUs:
+    # this share of a prompt token's cost is paid by the whole engine, not its rank alone.
+    gathered_share: float = 0.6
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.gathered_share <= 1.0:
+            raise ValueError("gathered_share must be within [0, 1]")
         costs = (
             self.step_base,
             self.decode_per_seq,

@@ -5,9 +5,11 @@ the HTTP server, or the offline cluster simulator) calls ``begin`` on a stepper,
 waits ``plan.duration`` virtual seconds, then calls ``end``.
 
 With DP attention all ranks of the engine form one stepper: every forward step
-takes as long as the slowest rank's work and idle ranks wait for it, so one
-overloaded rank slows every request of the engine. Without it each rank is a
-stepper of its own.
+takes as long as the slowest rank's attention and idle ranks wait for it, so one
+overloaded rank slows every request of the engine; the MLP (or MoE) layers run on
+every rank's tokens gathered, split over all the engine's GPUs, so a prompt
+computed on several ranks at once costs the engine that many times over. Without
+it each rank is a stepper of its own.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Stepper:
         steps = min(p.steps for _, p in parts)
         for _, p in parts:
             p.steps = steps
-        step_time = max(r.step_cost(p, steps) for r, p in parts)
+        step_time = self._step_time(parts, steps)
         self.running = StepPlan(self, now, step_time, steps, parts)
         return self.running
 
@@ -74,8 +76,13 @@ class Stepper:
         plan.steps = steps
         for _, p in plan.parts:
             p.steps = steps
-        plan.step_time = max(r.step_cost(p, steps) for r, p in plan.parts)
+        plan.step_time = self._step_time(plan.parts, steps)
         return True
+
+    def _step_time(self, parts: list[tuple[Rank, RankPlan]], steps: int) -> float:
+        """The slowest rank's own work, plus every rank's gathered work shared out."""
+        own = max(r.step_cost(p, steps) - p.gathered for r, p in parts)
+        return own + sum(p.gathered for _, p in parts) / len(self.ranks)
 
     def end(self, plan: StepPlan, now: float) -> StepEvents:
         if plan is not self.running:

@@ -36,6 +36,7 @@ class RankPlan:
     waiting: int  # queue length once admission is done
     running: int  # batch size once admission is done
     prefill_tokens: int = 0
+    gathered: float = 0.0  # of ``cost``: the prompt tokens' share in layers every rank gathers
 
 
 @dataclass
@@ -149,6 +150,7 @@ class Rank:
             len(self.waiting),
             self.num_running,
             prefill_tokens,
+            c.prefill_per_token * prefill_tokens * c.gathered_share * self.slow,
         )
 
     def step_cost(self, plan: RankPlan, steps: int) -> float:
