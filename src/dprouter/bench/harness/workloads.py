@@ -199,7 +199,8 @@ class GrpoGroups:
 class SharedGroups:
     """Groups of prompts sharing a system prompt, sent in order by ``concurrency``
     closed-loop clients: ``groups`` system prompts of ``system_len`` tokens, each with
-    ``per_group`` questions of ``question`` tokens, answers of exactly ``output``."""
+    ``per_group`` questions of ``question`` tokens, answers of exactly ``output``; each
+    request carries its group as its routing key."""
 
     groups: int = 16
     per_group: int = 32
@@ -225,7 +226,8 @@ class SharedGroups:
     def _next(self, when: float) -> Arrival | None:
         if not self._queue:
             return None
-        return Arrival(when, self._queue.pop(), self.output, key=None)
+        prompt = self._queue.pop()
+        return Arrival(when, prompt, self.output, key=f"group-{self.group[id(prompt)]}")
 
     def first_turns(self) -> list[Arrival]:
         first = (self._next(0.0) for _ in range(self.concurrency))
