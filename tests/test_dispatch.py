@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from dprouter.bench.harness.rollout_burst import rollout
 from dprouter.config import RouterConfig
@@ -23,7 +24,15 @@ from dprouter.proxy.plain import Proxy
 from dprouter.server.router import Router
 from dprouter.sim.http.server import SimServer
 from dprouter.sim.model.config import EngineConfig, RankLimits
-from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
+from tests.conftest import (
+    StartCluster,
+    StartRouter,
+    completions_engine,
+    metric_sum,
+    serving,
+    until,
+    workers,
+)
 
 SLOTS = 4  # running per rank
 ATTENTION_DP = EngineConfig(
@@ -128,6 +137,56 @@ async def test_an_engine_that_reports_no_cap_gets_every_request_at_once(
     async with Queued(engine) as queued:
         await asyncio.gather(*(one() for _ in range(8)))
     assert queued.most == 2
+
+
+async def test_a_request_sampling_n_waits_for_n_free_slots_on_one_rank(
+    start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Two ranks of 4 slots each run a request of n = 3: each has one slot free, and a
+    request of n = 2 waits in the router (sent, it would queue on the rank behind the
+    engine's cap) until a rank frees its slots, then goes there. (The simulator samples
+    one sequence a request, so a stand-in engine answers, each request when told.)"""
+    arrived: list[tuple[int, str]] = []  # (n, rank), in arrival order
+    answer = {n: asyncio.Event() for n in (2, 3)}
+    first = asyncio.Event()  # the first n = 3 request ends before the other
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        arrived.append((body["n"], request.headers["X-data-parallel-rank"]))
+        if body["n"] == 3 and len(arrived) == 1:
+            await first.wait()
+        else:
+            await answer[body["n"]].wait()
+        return web.json_response({"choices": [], "usage": {"completion_tokens": 4}})
+
+    async with serving(completions_engine(completions)) as url:
+        stand_in = workers(url, dialect="vllm", dp_size=2)
+        router = await start_router(
+            RouterConfig(workers=stand_in, policy="least_load", dispatch_slots=SLOTS)
+        )
+
+        async def send(n: int) -> None:
+            body = {"prompt": f"sample me {n}", "max_tokens": 4, "n": n}
+            async with http.post(router.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+
+        sent = [asyncio.create_task(send(3))]
+        assert await until(lambda: len(arrived) == 1)
+        sent.append(asyncio.create_task(send(3)))
+        assert await until(lambda: len(arrived) == 2)
+        sent.append(asyncio.create_task(send(2)))
+        assert await until(lambda: held(router) == 1)
+        await asyncio.sleep(0.1)
+        assert len(arrived) == 2  # held: one slot free on each rank, two needed
+        first.set()  # the first rank's three sequences end: its slots free
+        assert await until(lambda: len(arrived) == 3)
+        answer[3].set()
+        answer[2].set()
+        await asyncio.gather(*sent)
+    (_, freed), (_, busy), (n, rank) = arrived
+    assert busy != freed and (n, rank) == (2, freed), arrived
+    assert held(router) == 0
+    assert all(t.outstanding == 0 for t in router.registry.targets())
 
 
 async def test_a_held_request_whose_client_leaves_never_reaches_the_engine(

@@ -17,7 +17,9 @@ engine's report, or ``--dispatch-slots``): vLLM does not report its ``max_num_se
 and an engine with no cap below its KV limit gains nothing from holding. Holding is
 bounded (``--dispatch-wait``: then a 503); a client that leaves is dropped from the
 queue; a request with a routing key (a session) is not held (it keeps its target; the
-engine queues it there). Priority is the predicted output (``output_budget.predict``)
+engine queues it there). A request sampling ``n`` sequences waits for ``n`` free slots on
+one rank (a whole cap at most: the engine runs the rest as slots free). Priority is the
+predicted output (``output_budget.predict``)
 plus ``--dispatch-aging`` tokens per second waited, so nothing starves: requests that
 arrive together keep their order by length.
 
@@ -114,26 +116,27 @@ class Dispatcher:
 
     # -- which targets have a free slot ----------------------------------------------
 
-    def free(self, candidates: Sequence[Target]) -> Sequence[Target] | None:
-        """The candidates with a free running slot, by the board (the engines' reports and
-        what the router sent since); None: not dispatching for them (a target's cap is
-        unknown)."""
+    def free(self, candidates: Sequence[Target], samples: int = 1) -> Sequence[Target] | None:
+        """The candidates with a running slot free for each of ``samples`` sequences (at
+        most a whole cap's: more than a rank runs at once wait in its engine), by the
+        board (the engines' reports and what the router sent since); None: not
+        dispatching for them (a target's cap is unknown)."""
         reader = self.readers.of(candidates)
         board, index = reader.board, reader.index
         caps = self.options.slots or board.cap[index]
         if not np.all(caps):
             return None
-        room = board.load[index] < caps
+        room = board.load[index] + np.minimum(samples, caps) <= caps
         if room.all():
             return candidates
         return [candidates[int(i)] for i in np.flatnonzero(room)]
 
-    def _take(self, candidates: Sequence[Target], pick: Pick) -> Outstanding | None:
-        """A free target's slot, counted at once (under the lock: exact across
-        processes), or None while every one is taken."""
+    def _take(self, candidates: Sequence[Target], pick: Pick, samples: int) -> Outstanding | None:
+        """A free target's slots for ``samples`` sequences, counted at once (under the lock:
+        exact across processes), or None while no target has them."""
         step: AbstractContextManager[object] = self.lock if self.lock is not None else nullcontext()
         with step:
-            free = self.free(candidates)
+            free = self.free(candidates, samples)
             if free is not None and not free:
                 return None
             return pick(candidates if free is None else free).claim()
@@ -147,7 +150,7 @@ class Dispatcher:
         free and nobody waits before it, else when one frees and its turn comes."""
         queue = self.queues.get(pool)
         if not queue or incoming.key is not None:
-            counted = self._take(candidates, pick)
+            counted = self._take(candidates, pick, incoming.samples)
             if counted is not None:
                 return counted
             if incoming.key is not None:  # a session keeps its target: the engine queues it
@@ -223,7 +226,7 @@ class Dispatcher:
                     if first.cancelled or first.done.done():
                         heapq.heappop(queue)
                         continue
-                    counted = self._take(first.candidates, first.pick)
+                    counted = self._take(first.candidates, first.pick, first.incoming.samples)
                     if counted is None:
                         break
                     heapq.heappop(queue)
