@@ -82,8 +82,8 @@ class Endpoints:
             "max_model_len": config.limits.max_model_len,
         }
         adapters = [  # as vLLM and SGLang list a loaded adapter: its base is its parent
-            {**card, "id": name, "root": f"/sim/lora/{name}", "parent": config.model}
-            for name in config.lora_modules
+            {**card, "id": name, "root": root, "parent": config.model}
+            for name, root in self.server.adapters.roots.items()
         ]
         return web.json_response({"object": "list", "data": [card, *adapters]})
 

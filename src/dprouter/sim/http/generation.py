@@ -91,7 +91,7 @@ class Generation:
             parsed = parse(self.kind, body, self.server.encoder)
         except ValueError as exc:
             return self.fail(400, str(exc))
-        adapters = server.config.adapters
+        adapters = server.adapters.loaded
         message = server.persona.model_error(parsed.model, server.config.model, adapters)
         if message is not None:
             return self.fail(404, message, "NotFoundError", "model")

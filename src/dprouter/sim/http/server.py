@@ -18,6 +18,7 @@ from dprouter.sim.http import endpoints
 from dprouter.sim.http.audio import Audio
 from dprouter.sim.http.endpoints import Handler
 from dprouter.sim.http.kvpublish import KvPublishers
+from dprouter.sim.http.lora import Adapters
 from dprouter.sim.http.metrics import vllm_registry
 from dprouter.sim.http.pd import Me
 from dprouter.sim.http.pd_side import PdSide
@@ -77,6 +78,7 @@ class SimServer:
         self.engine: Engine
         self.runner: EngineRunner
         self.weights: Weights
+        self.adapters: Adapters
         self.pd = PdSide(self, config.pd) if config.pd is not None else None
         self.responses = Responses(self)
         self.audio = Audio(self)  # kept across restarts: what each rank took, in all
@@ -113,6 +115,7 @@ class SimServer:
             self.registry = vllm_registry(self.engine)
         app.add_routes(endpoints.Endpoints(self).routes())
         app.add_routes(self.weights.routes())
+        app.add_routes(self.adapters.routes())
         app.add_routes(Pooling(self).routes())
         app.add_routes(self.audio.routes())
         app.add_routes(self.responses.routes())
@@ -134,6 +137,7 @@ class SimServer:
         self.runner = EngineRunner(self.engine, self.kv.flush if self.kv is not None else None)
         self.runner.start()
         self.weights = Weights(self)  # a restarted engine runs, with the weights it loads
+        self.adapters = Adapters(self)  # ... and the adapters it starts with
         self.generation_requests = 0
         self.started_at = asyncio.get_running_loop().time()
         if self.pd is not None:
