@@ -271,3 +271,48 @@ async def test_sglangs_base_colon_adapter_goes_only_where_the_adapter_is_loaded(
             assert r.status == 200, await r.text()
     by_path = {s.url: sum(r.body.get("lora_path") == SQL for r in s.received) for s in cluster}
     assert by_path == {without.url: 0, with_.url: 4}
+
+
+@pytest.mark.parametrize("persona", PERSONAS)
+async def test_an_adapter_loaded_through_the_router_is_routed_to_at_once(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+    tokenizer_dir: Path,
+    persona: str,
+) -> None:
+    """An RL framework loads a LoRA adapter while the engines run (SGLang's
+    /load_lora_adapter, vLLM's /v1/load_lora_adapter) through the router, here on one of
+    two workers: the router reads that engine's /v1/models again, and the adapter's very
+    next requests go only there; unloaded, none does."""
+    plain = replace(lora_engine(persona, tokenizer_dir), lora_modules=())
+    cluster = (await start_cluster([plain, plain])).servers
+    router = await start_router(prefix_config(tokenizer_dir, *(spec(s) for s in cluster)))
+    path = "/load_lora_adapter" if persona == "sglang" else "/v1/load_lora_adapter"
+    first, second = sorted(router.registry.workers.values(), key=lambda w: w.url)
+    loaded = {"lora_name": SQL, "lora_path": "/adapters/sql/step-1"}
+    async with http.post(f"{router.url}{path}?worker={first.id}", json=loaded) as r:
+        answer = await r.json()
+        assert r.status == 200, answer
+    assert [row["worker"] for row in answer["workers"]] == [first.id]
+    assert answer["workers"][0]["models"] == [BASE, SQL]
+    assert SQL in first.models and SQL not in second.models
+    for i in range(6):
+        await send(http, router.url, for_adapter(persona, {"prompt": words(i, 20)}))
+    sent = {
+        s.url: sum(r.body.get("model") == for_adapter(persona, {})["model"] for r in s.received)
+        for s in cluster
+    }
+    assert sent == {first.url: 6, second.url: 0}
+    async with http.get(router.url + "/v1/models") as r:
+        assert SQL in {card["id"] for card in (await r.json())["data"]}
+    gone = {"lora_name": SQL}
+    async with http.post(router.url + path.replace("load", "unload"), json=gone) as r:
+        answer = await r.json()  # the second worker never had it: its engine says so
+        assert r.status != 200
+    statuses = {row["worker"]: row["status"] for row in answer["workers"]}
+    assert statuses == {first.id: 200, second.id: 400 if persona == "sglang" else 404}
+    assert SQL not in first.models
+    body = {**for_adapter(persona, {"prompt": words(0, 20)}), "max_tokens": 2}
+    async with http.post(router.url + "/v1/completions", json=body) as r:
+        assert r.status in (400, 404), await r.text()  # vLLM: the router; SGLang: its engine

@@ -312,6 +312,11 @@ async def test_every_command_reaches_each_engine_once_under_its_own_name(
         "/pause_generation": {"mode": "retract"},
         "/abort_request": {"abort_all": True},
         "/pause": {},
+        # loaded, unloaded, then again under vLLM's own names
+        "/load_lora_adapter": {"lora_name": "a", "lora_path": "/adapters/a"},
+        "/unload_lora_adapter": {"lora_name": "a"},
+        "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/adapters/a"},
+        "/v1/unload_lora_adapter": {"lora_name": "a"},
     }
     sent = 0
     for command in COMMANDS:
@@ -332,7 +337,7 @@ async def test_every_command_reaches_each_engine_once_under_its_own_name(
         if command.effect == "pause":  # the next command must not find it paused
             async with http.post(router.url + "/continue_generation", json={}) as r:
                 assert r.status == 200
-    assert sent >= (16 if persona == "sglang" else 17)
+    assert sent >= (18 if persona == "sglang" else 21)
     # SGLang's pause mode in vLLM's words
     if persona == "vllm":
         async with http.post(router.url + "/pause_generation", json={"mode": "retract"}) as r:

@@ -29,13 +29,16 @@ from aiohttp import web
 
 from dprouter.core.errors import error, error_body
 from dprouter.core.types import DialectName
+from dprouter.fleet import probe
 from dprouter.fleet.membership.labels import matches, parse_selector
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
 from dprouter.proxy.rankless import ask
 
 # what a command does to the router's view of a worker, once its engine said yes
-Effect = Literal["pause", "resume", "begin", "update", "finish", "version", "sleep", "wake"]
+Effect = Literal[
+    "pause", "resume", "begin", "update", "finish", "version", "sleep", "wake", "adapters"
+]
 PAUSED, UPDATING, ASLEEP = "paused", "updating its weights", "asleep"
 # a body in the shape the command came in (SGLang's), out in the engine's: (query, body)
 Translate = Callable[[dict[str, Any]], tuple[dict[str, str], dict[str, Any] | None]]
@@ -206,6 +209,23 @@ COMMANDS: tuple[Command, ...] = (
         "Take the GPU memory back (wake up)",
         effect="wake",
     ),
+    # LoRA adapters loaded while the engines run (vLLM's with VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+    # the router reads each engine's /v1/models again after, so an adapter's requests go
+    # where it is loaded from the next request on
+    Command(
+        "/load_lora_adapter",
+        POST,
+        {**_sglang("/load_lora_adapter"), **_vllm("/v1/load_lora_adapter")},
+        "Load a LoRA adapter on every engine",
+        effect="adapters",
+    ),
+    Command(
+        "/unload_lora_adapter",
+        POST,
+        {**_sglang("/unload_lora_adapter"), **_vllm("/v1/unload_lora_adapter")},
+        "Unload a LoRA adapter from every engine",
+        effect="adapters",
+    ),
     Command("/v1/loads", GET, _sglang("/v1/loads"), "Every SGLang engine's load, per rank"),
     # vLLM's own names (its RL routes need VLLM_SERVER_DEV_MODE=1)
     Command("/pause", POST, _vllm("/pause"), "Pause every vLLM engine", effect="pause"),
@@ -216,6 +236,20 @@ COMMANDS: tuple[Command, ...] = (
     Command("/sleep", POST, _vllm("/sleep"), "Put every vLLM engine to sleep", effect="sleep"),
     Command("/wake_up", POST, _vllm("/wake_up"), "Wake every vLLM engine", effect="wake"),
     Command("/is_sleeping", GET, _vllm("/is_sleeping"), "Whether each vLLM engine sleeps"),
+    Command(
+        "/v1/load_lora_adapter",
+        POST,
+        _vllm("/v1/load_lora_adapter"),
+        "Load a LoRA adapter on every vLLM engine",
+        effect="adapters",
+    ),
+    Command(
+        "/v1/unload_lora_adapter",
+        POST,
+        _vllm("/v1/unload_lora_adapter"),
+        "Unload a LoRA adapter from every vLLM engine",
+        effect="adapters",
+    ),
     Command(
         "/init_weight_transfer_engine",
         POST,
@@ -424,6 +458,9 @@ class Commands:
             rows = await asyncio.gather(*calls)
             for w, row in zip(workers, rows, strict=True):
                 self._after(command, w, _ok(row), row, body)
+            if command.effect == "adapters":  # whatever each said: what does it serve now?
+                served = (self._served(w, row) for w, row in zip(workers, rows, strict=True))
+                await asyncio.gather(*served)
             return list(rows)
         finally:
             if command.exclusive:
@@ -493,6 +530,22 @@ class Commands:
             self._version(worker, str(body["new_version"]))
         elif effect in ("sleep", "wake") and ok:
             self._set(worker, "sleep", effect == "sleep")
+
+    async def _served(self, worker: Worker, row: dict[str, Any]) -> None:
+        """Read ``worker``'s ``/v1/models`` again: its adapters' pools follow at once. A
+        worker that does not answer keeps what it served; its row says so."""
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT):
+                cards = await probe.models(self.session, worker.url)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            cards, row["models_error"] = (), f"{type(exc).__name__}: {exc}"
+        if not cards:  # an engine always lists its model: this answer says nothing
+            row.setdefault("models_error", "/v1/models listed nothing")
+            return
+        worker.models = tuple(card["id"] for card in cards)
+        worker.cards = {card["id"]: card for card in cards}
+        row["models"] = list(worker.models)
+        self.registry.rebuild()
 
     def _set(self, worker: Worker, what: str, on: bool) -> None:
         standing = self.standing.setdefault(worker.id, Standing())
