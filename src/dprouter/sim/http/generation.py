@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -122,35 +123,71 @@ class Generation:
             await asyncio.Event().wait()  # until the client gives up
         room = body.get("bootstrap_room")
         rid = parsed.rid or RID_PREFIX[self.kind] + uuid.uuid4().hex
+        if parsed.n > 1 and server.config.pd is not None:
+            return self.fail(400, "the simulated engine samples n > 1 on regular engines only")
         failed = await self.pd_step(body, parsed, rid, rank)
         if failed is not None:
             server.record(self.request, body, None)
             return failed
         await server.weights.admitted()  # a paused engine holds new requests
-        req = SimRequest(
-            rid,
-            parsed.prompt_ids,
-            1 if self.prefill_key is not None else parsed.max_tokens,  # a prefill stops at one
-            server.runner.now(),
-            rank,
-            room if isinstance(room, int) else None,
-            remote_kv=self.remote_kv,
-            lora=None if lora is None else adapters[lora],
-        )
+        adapter = None if lora is None else adapters[lora]
+        max_tokens = 1 if self.prefill_key is not None else parsed.max_tokens  # prefill: one
+
+        def sample(own: str, tokens: int = max_tokens) -> SimRequest:
+            bootstrap = room if isinstance(room, int) else None
+            return SimRequest(
+                own,
+                parsed.prompt_ids,
+                tokens,
+                server.runner.now(),
+                rank,
+                bootstrap,
+                remote_kv=self.remote_kv,
+                lora=adapter,
+            )
+
+        if parsed.n > 1 and server.persona.name == "sglang":
+            # SGLang (tokenizer_manager, parallel sampling) first runs a copy that only
+            # computes the prompt, then the n samples, which find it cached
+            copy = sample(f"{rid}-prompt", 1)
+            try:
+                progress = server.runner.submit(copy)
+            except DispatchError as exc:
+                server.record(self.request, body, None)
+                return self.fail(400, str(exc))
+            try:
+                done = False
+                while not done:
+                    generated, done = await progress.get()
+                    if generated == ABORTED:
+                        return self.fail(499, "request aborted", "AbortedError")
+                    if generated < 0:
+                        return self.fail(503, "engine shut down", "ServiceUnavailableError")
+            finally:
+                if not copy.done:
+                    server.runner.abort(copy)
+        reqs: list[SimRequest] = []
+        queues: list[asyncio.Queue[tuple[int, bool]]] = []
         try:
-            queue = server.runner.submit(req)
+            for k in range(parsed.n):  # the first keeps the request's id, which an abort names
+                req = sample(rid if k == 0 else f"{rid}-{k}")
+                queues.append(server.runner.submit(req))
+                reqs.append(req)
         except DispatchError as exc:
+            for req in reqs:
+                server.runner.abort(req)
             server.record(self.request, body, None)
             return await self.stream_fail(str(exc)) if parsed.stream else self.fail(400, str(exc))
-        server.record(self.request, body, req.rank)
-        self.headers["x-sim-dp-rank"] = str(req.rank)
+        server.record(self.request, body, reqs[0].rank)
+        self.headers["x-sim-dp-rank"] = str(reqs[0].rank)
         try:
             if parsed.stream:
-                return await self.stream(req, parsed, queue)
-            return await self.whole(req, parsed, queue)
+                return await self.stream(reqs, parsed, queues)
+            return await self.whole(reqs, parsed, queues)
         finally:
-            if not req.done:
-                server.runner.abort(req)  # client gone or server stopping: free the rank
+            for req in reqs:
+                if not req.done:
+                    server.runner.abort(req)  # client gone or server stopping: free the rank
 
     async def pd_step(
         self, body: Any, parsed: Parsed, rid: str, rank: int | None
@@ -197,43 +234,50 @@ class Generation:
         return None
 
     async def whole(
-        self, req: SimRequest, parsed: Parsed, queue: asyncio.Queue[tuple[int, bool]]
+        self, reqs: list[SimRequest], parsed: Parsed, queues: list[asyncio.Queue[tuple[int, bool]]]
     ) -> web.StreamResponse:
-        done = False
-        while not done:
-            generated, done = await queue.get()
-            if generated == ABORTED:
-                return self.fail(499, "request aborted", "AbortedError")
-            if generated < 0:
-                return self.fail(503, "engine shut down", "ServiceUnavailableError")
-        digest = prompt_digest(req.prompt_ids)
-        text = "".join(output_token(digest, i) for i in range(req.generated))
+        for queue in queues:
+            done = False
+            while not done:
+                generated, done = await queue.get()
+                if generated == ABORTED:
+                    return self.fail(499, "request aborted", "AbortedError")
+                if generated < 0:
+                    return self.fail(503, "engine shut down", "ServiceUnavailableError")
+        digests = _digests(reqs)
+        texts = [_text(d, 0, req.generated) for d, req in zip(digests, reqs, strict=True)]
+        first = reqs[0]
         if self.kind == "generate":
-            meta = generate_meta(
-                req.rid,
-                req.prompt_len,
-                req.generated,
-                req.cached_tokens,
-                True,
-                self.server.runner.now() - req.arrival,
-            )
-            meta["weight_version"] = self.server.weights.version
-            body: dict[str, Any] = {
-                "text": text,
-                "output_ids": self.server.encoder.encode(text, special=False),
-                "meta_info": meta,
-            }
+            answers: list[dict[str, Any]] = []
+            for req, text in zip(reqs, texts, strict=True):
+                meta = generate_meta(
+                    req.rid,
+                    req.prompt_len,
+                    req.generated,
+                    req.cached_tokens,
+                    True,
+                    self.server.runner.now() - req.arrival,
+                )
+                meta["weight_version"] = self.server.weights.version
+                answer = {
+                    "text": text,
+                    "output_ids": self.server.encoder.encode(text, special=False),
+                    "meta_info": meta,
+                }
+                answers.append(answer)
+            # SGLang answers n > 1 samples with a list, one object each
+            body: Any = answers[0] if len(answers) == 1 else answers
         else:
-            use = usage(req.prompt_len, req.generated, req.cached_tokens)
-            body = Render(self.kind, req.rid, self.server.config.model, False).full(text, use)
+            use = usage(first.prompt_len, _generated(reqs), _cached(reqs))
+            body = Render(self.kind, first.rid, self.server.config.model, False).full(texts, use)
         if self.prefill_key is not None:
-            params = self.server.publish_kv(self.prefill_key, req, self.prefill_meta)
+            params = self.server.publish_kv(self.prefill_key, first, self.prefill_meta)
             if params is not None:
                 body["kv_transfer_params"] = params
         return web.json_response(body, headers=self.headers, dumps=_dumps)
 
     async def stream(
-        self, req: SimRequest, parsed: Parsed, queue: asyncio.Queue[tuple[int, bool]]
+        self, reqs: list[SimRequest], parsed: Parsed, queues: list[asyncio.Queue[tuple[int, bool]]]
     ) -> web.StreamResponse:
         if self.early is not None:  # a decode already answered its headers
             resp = self.early
@@ -245,15 +289,27 @@ class Generation:
             }
             resp = web.StreamResponse(headers=headers)
             await resp.prepare(self.request)
-        render = Render(self.kind, req.rid, self.server.config.model, parsed.include_usage)
-        digest = prompt_digest(req.prompt_ids)
-        text = ""
-        sent = 0
-        try:
-            await resp.write(render.opening())
+        first, n = reqs[0], len(reqs)
+        render = Render(self.kind, first.rid, self.server.config.model, parsed.include_usage)
+        merged: asyncio.Queue[tuple[int, int, bool]] = asyncio.Queue()
+
+        async def follow(k: int, queue: asyncio.Queue[tuple[int, bool]]) -> None:
             done = False
             while not done:
                 generated, done = await queue.get()
+                await merged.put((k, generated, done))
+                done = done or generated < 0
+
+        followers = [asyncio.create_task(follow(k, q)) for k, q in enumerate(queues)]
+        digests = _digests(reqs)
+        texts = [""] * n
+        sent = [0] * n
+        try:
+            for k in range(n):
+                await resp.write(render.opening(k))
+            open_ = n
+            while open_:
+                k, generated, done = await merged.get()
                 if generated < 0:
                     aborted = generated == ABORTED
                     error = {
@@ -264,32 +320,63 @@ class Generation:
                     }
                     await resp.write(sse({"error": error}) + DONE)
                     return resp
-                piece = "".join(output_token(digest, i) for i in range(sent, generated))
-                sent = generated
+                req = reqs[k]
+                piece = _text(digests[k], sent[k], generated)
+                sent[k] = generated
+                if done:
+                    open_ -= 1
                 if self.kind == "generate":
-                    text += piece
+                    texts[k] += piece
                     meta = generate_meta(
                         req.rid,
                         req.prompt_len,
-                        sent,
+                        generated,
                         req.cached_tokens,
                         done,
                         self.server.runner.now() - req.arrival,
                     )
                     meta["weight_version"] = self.server.weights.version
-                    await resp.write(sse({"text": text, "meta_info": meta}))
+                    chunk: dict[str, Any] = {"text": texts[k], "meta_info": meta}
+                    if n > 1:
+                        chunk["index"] = k  # SGLang numbers each sample's chunks
+                    await resp.write(sse(chunk))
                 else:
-                    await resp.write(render.piece(piece, done))
+                    await resp.write(render.piece(piece, done, k))
             if self.prefill_key is not None:
-                self.server.publish_kv(self.prefill_key, req, self.prefill_meta)
+                self.server.publish_kv(self.prefill_key, first, self.prefill_meta)
             if self.kind == "generate":
                 await resp.write(DONE)
             else:
-                await resp.write(render.closing(usage(req.prompt_len, sent, req.cached_tokens)))
+                use = usage(first.prompt_len, sum(sent), _cached(reqs))
+                await resp.write(render.closing(use))
             await resp.write_eof()
         except ConnectionResetError:
             pass  # the client left; the caller aborts the request
+        finally:
+            for task in followers:
+                task.cancel()
         return resp
+
+
+def _digests(reqs: list[SimRequest]) -> list[int]:
+    """What each sample's words are drawn from: the same prompt gives the same first
+    sample, and each other sample words of its own."""
+    digest = prompt_digest(reqs[0].prompt_ids)
+    return [digest] + [zlib.crc32(k.to_bytes(4, "little"), digest) for k in range(1, len(reqs))]
+
+
+def _text(digest: int, start: int, end: int) -> str:
+    """Output tokens ``start`` to ``end`` of the sample drawn from ``digest``."""
+    return "".join(output_token(digest, i) for i in range(start, end))
+
+
+def _generated(reqs: list[SimRequest]) -> int:
+    return sum(req.generated for req in reqs)
+
+
+def _cached(reqs: list[SimRequest]) -> int:
+    """The prompt is counted once: its cached part, as the sample that found most of it."""
+    return max(req.cached_tokens for req in reqs)
 
 
 async def handle(server: SimServer, request: web.Request, kind: Kind) -> web.StreamResponse:

@@ -32,7 +32,7 @@ class CompletionBody(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -67,11 +67,12 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1)
 
 
 class SamplingParams(_Body):
     max_new_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1)
 
 
 class GenerateBody(_Body):
@@ -93,6 +94,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     rid: str | None = None
+    n: int = 1  # sequences sampled from the one prompt
 
     @property
     def prompt_len_total(self) -> int:
@@ -128,6 +130,7 @@ def _parse(kind: Kind, body: object, encoder: Encoder) -> Parsed:
                 max_tokens=_stop(c.prompt, limit) if isinstance(c.prompt, str) else limit,
                 stream=c.stream,
                 include_usage=bool(opts and opts.include_usage),
+                n=c.n,
             )
         if kind == "chat":
             ch = ChatBody.model_validate(body)
@@ -140,6 +143,7 @@ def _parse(kind: Kind, body: object, encoder: Encoder) -> Parsed:
                 max_tokens=_stop(ch.messages[-1].text(), limit),
                 stream=ch.stream,
                 include_usage=bool(opts and opts.include_usage),
+                n=ch.n,
             )
         g = GenerateBody.model_validate(body)
         if (g.text is None) == (g.input_ids is None):
@@ -153,6 +157,7 @@ def _parse(kind: Kind, body: object, encoder: Encoder) -> Parsed:
             include_usage=False,
             max_tokens=_stop(g.text or "", g.sampling_params.max_new_tokens or DEFAULT_MAX_TOKENS),
             rid=g.rid,
+            n=g.sampling_params.n,
         )
     except ValidationError as exc:
         raise ValueError(describe(exc)) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -38,37 +39,41 @@ class Render:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, use: dict[str, Any]) -> dict[str, Any]:
-        if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text}
-            body = self._head("text_completion")
-        choice.update(logprobs=None, finish_reason="length", stop_reason=None)
-        body["choices"] = [choice]
+    def full(self, texts: Sequence[str], use: dict[str, Any]) -> dict[str, Any]:
+        """The whole answer: one choice per sampled sequence."""
+        choices: list[dict[str, Any]] = []
+        for index, text in enumerate(texts):
+            if self.kind == "chat":
+                message = {"role": "assistant", "content": text}
+                choice: dict[str, Any] = {"index": index, "message": message}
+            else:
+                choice = {"index": index, "text": text}
+            choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+            choices.append(choice)
+        body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        body["choices"] = choices
         body["usage"] = use
         return body
 
-    def opening(self) -> bytes:
-        """Chat streams open with the assistant role; completions have no opening."""
+    def opening(self, index: int = 0) -> bytes:
+        """Chat streams open each choice with the assistant role; completions do not."""
         if self.kind != "chat":
             return b""
-        return self._chunk({"role": "assistant", "content": ""}, None)
+        return self._chunk({"role": "assistant", "content": ""}, None, index)
 
-    def piece(self, text: str, last: bool) -> bytes:
+    def piece(self, text: str, last: bool, index: int = 0) -> bytes:
         finish = "length" if last else None
         if self.kind == "chat":
-            return self._chunk({"content": text}, finish)
-        return self._chunk(text, finish)
+            return self._chunk({"content": text}, finish, index)
+        return self._chunk(text, finish, index)
 
-    def _chunk(self, delta: Any, finish: str | None) -> bytes:
+    def _chunk(self, delta: Any, finish: str | None, index: int) -> bytes:
         if self.kind == "chat":
             body = self._head("chat.completion.chunk")
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             body = self._head("text_completion")
-            choice = {"index": 0, "text": delta}
+            choice = {"index": index, "text": delta}
         choice.update(logprobs=None, finish_reason=finish, stop_reason=None)
         body["choices"] = [choice]
         if self.include_usage:
