@@ -184,6 +184,28 @@ async def test_requests_are_counted_by_the_output_they_typically_run_to(
     assert await until(lambda: target.outstanding_tokens == 0)
 
 
+async def test_sglang_n_samples_teach_each_samples_length(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """SGLang answers a request of n samples with a list, each sample's usage its own:
+    20 tokens each is learnt as 20, not 20 / n (OpenAI's usage, summed over n, is)."""
+    (engine,) = (await start_cluster([EngineConfig(persona="sglang", dp_size=1)])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url), load_interval=0))
+    (target,) = router.registry.targets()
+    for _ in range(3):
+        body = {"text": "short", "sampling_params": {"max_new_tokens": 20, "n": 4}}
+        async with http.post(router.url + "/generate", json=body) as r:
+            answer = await r.json()
+            assert r.status == 200 and len(answer) == 4, answer
+    body = {"text": "a cap far above", "sampling_params": {"max_new_tokens": 5_000}}
+    r = await http.post(router.url + "/generate", json={**body, "stream": True})
+    await r.content.readuntil(b"\n\n")
+    counted = target.outstanding_tokens
+    r.close()
+    assert 20 <= counted < 40  # prompt + ~20, not prompt + 5
+    assert await until(lambda: target.outstanding_tokens == 0)
+
+
 async def test_with_output_budget_cap_a_request_is_counted_by_its_max_tokens(
     start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:

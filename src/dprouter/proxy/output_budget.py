@@ -164,7 +164,10 @@ def learn(
     if isinstance(answer, web.Response):
         body = answer.body
         found = completion_tokens(body) if isinstance(body, bytes) else None
-        if found is not None:  # over all n samples: each ran about as long
-            estimate.observe(found // incoming.samples, incoming.model, incoming.group)
+        if isinstance(body, bytes) and found is not None:
+            # OpenAI's usage sums the n samples (each ran about as long); SGLang answers n
+            # samples with a list, one object each, the last one's count its own
+            each = found if body.lstrip()[:1] == b"[" else found // incoming.samples
+            estimate.observe(each, incoming.model, incoming.group)
     elif counted.seen:
         estimate.observe(counted.seen // incoming.samples, incoming.model, incoming.group)
