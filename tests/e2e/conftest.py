@@ -11,9 +11,11 @@ import pytest
 from e2e.pd import pair as pd_pair
 from e2e.sglang import server as sglang_server
 
+from dprouter.bench.scenarios.makespan import engine_lock
 from e2e import beside, vllm_server  # beside prepare.sh, not part of the installed package
 
 SUMMARY: list[str] = []  # lines printed at the end of the run: what really happened
+LOCK_WAIT = 3000.0  # seconds another run's real engines may hold the machine
 
 
 async def installs_beside(engine: str, python: Path, home: Path, url: str) -> None:
@@ -46,6 +48,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("real engines: what they counted")
         for line in SUMMARY:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_real_engine_group_at_a_time() -> Iterator[None]:
+    """A real-engine group holds ``/tmp/dprouter-real-engine.lock`` while it runs (a
+    benchmark's real engine, or another run's, waits), as ``bench makespan`` does; the
+    scenarios and tests inside that ask for it again only count."""
+    with engine_lock(LOCK_WAIT):
+        yield
 
 
 @pytest.fixture(scope="module")
