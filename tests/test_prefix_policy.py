@@ -116,6 +116,23 @@ def test_prefill_queued_on_a_target_sends_a_prompt_to_be_computed_elsewhere() ->
     assert picks(targets, held, 1, token_weight=0.0) == ["w0/0"]
 
 
+def test_queued_tokens_weigh_against_the_prompts_tokens_not_a_short_estimate() -> None:
+    """The estimate counts a prompt's characters / 4; a chat's 1,000 tokens estimated at
+    500 would weigh each queued token twice against a held one."""
+    targets = fleet(2)
+    queued = QueuedBy({"w0/0": 1500})
+    # w0/0 holds 600 of 1,000 tokens: 4 x 0.6 = 2.4 > 1500 / 1001 = 1.5 -> it stays
+    # (over the estimate it was 1500 / 501 = 3.0 > 2.4: it left)
+    short = RequestInfo(tokens=500, prefix=Prefix(1000, {"w0/0": 600}, queued))
+    assert picks(targets, short, 2, token_weight=0.0) == ["w0/0", "w0/0"]
+    # an estimate past the prompt (its output) is kept: 3000 / 2001 = 1.5 < 2.4
+    long = RequestInfo(tokens=2000, prefix=Prefix(1000, {"w0/0": 600}, QueuedBy({"w0/0": 3000})))
+    assert picks(targets, long, 2, token_weight=0.0) == ["w0/0", "w0/0"]
+    # and a queue past the held prefix's worth still sends it elsewhere: 2600 / 1001 > 2.4
+    past = RequestInfo(tokens=500, prefix=Prefix(1000, {"w0/0": 600}, QueuedBy({"w0/0": 2600})))
+    assert picks(targets, past, 2, token_weight=0.0) == ["w0/1", "w0/1"]
+
+
 def test_the_bound_spreads_a_hot_prefix_whatever_its_weight() -> None:
     targets = fleet(4)
     info = RequestInfo(prefix=Prefix(4, {"w0/0": 4, "w0/1": 4}))

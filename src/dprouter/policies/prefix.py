@@ -16,7 +16,11 @@ where load is requests in flight and tokens the token load (the board's: the rou
 own count, or the engine's report when it knows of more), means over the candidates,
 and request tokens the prompt's plus its output estimate (each term computed as the
 weight over its divisor, times the target's count: ``kernels.prefix_pick``, one compiled
-pass). The highest score wins; ties go to the first from a rotating start. Defaults 4,
+pass). In the queue term request tokens are never fewer than the prompt's as tokenised
+(``Prefix.tokens``), the unit of queued and held: the estimate counts a prompt's
+characters / 4, half the tokens of a chat of made-up words (``tests/test_pd_prefix.py``),
+which weighed a queued token twice against a held one and moved conversations off their
+ranks. The highest score wins; ties go to the first from a rotating start. Defaults 4,
 1.5, 1, 1, 1 (bench prefix: at 1 a one-request difference in load moved a conversation
 off its rank).
 
@@ -86,10 +90,16 @@ class PrefixPolicy:
         rows = self.rows.of(targets)
         held = 0
         queued = NONE
+        queue_weight = self.queue_weight
         prefix = request.prefix
         if prefix is not None:
-            if prefix.queued is not None and self.queue_weight:
+            if prefix.queued is not None and queue_weight:
                 queued = prefix.queued.of(targets)
+                # per request token, never fewer than the prompt's as tokenised (the
+                # estimate's prompt is its characters / 4): the kernel divides by the
+                # estimate, so the weight is scaled to it
+                if prefix.tokens > request.tokens:
+                    queue_weight *= (request.tokens + 1.0) / (prefix.tokens + 1.0)
             if prefix.tokens and self.weight:
                 where, at, bonus = rows.where, rows.at, rows.bonus
                 stored = prefix.stored
@@ -116,7 +126,7 @@ class PrefixPolicy:
             int(request.tokens),
             self.load_weight,
             self.token_weight,
-            self.queue_weight,
+            queue_weight,
             self.bound,
             held,
             -1 if large else start,
