@@ -154,6 +154,33 @@ async def test_a_session_sticks_to_one_attention_dp_rank(
     assert len(set(ranks)) == 1
 
 
+async def test_n_samples_run_on_one_rank_and_compute_the_prompt_once(
+    sglang_attn2: SglangServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """One /generate of n = 4 through dprouter: the engine answers a list of 4 samples, all
+    run on the rank dprouter chose; SGLang first runs a copy that computes the prompt, so
+    every sample finds it cached (as the simulator's SGLang persona does)."""
+    router = await start_router(config(sglang_attn2))
+    body = generate_body()
+    body["text"] = body["text"] * 8
+    body["sampling_params"] = {**body["sampling_params"], "n": 4, "max_new_tokens": 24}
+    async with http.post(router.url + "/generate", json=body) as r:
+        assert r.status == 200, await r.text()
+        target, answer = r.headers["x-dprouter-target"], await r.json()
+    assert isinstance(answer, list) and len(answer) == 4, answer
+    metas = [a["meta_info"] for a in answer]
+    ranks = {m["dp_rank"] for m in metas}
+    cached = [m["cached_tokens"] for m in metas]
+    prompt = metas[0]["prompt_tokens"]
+    SUMMARY.append(
+        f"sglang_attn2: n = 4 on {target}: dp_rank {sorted(ranks)}, prompt {prompt}, "
+        f"cached {cached}"
+    )
+    assert ranks == {int(target.split("/")[1])}
+    assert all(c >= prompt - 1 for c in cached), cached
+    assert all(t.outstanding == 0 for t in router.registry.targets())
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 async def test_the_token_counts_read_are_the_ones_sglang_reports_per_rank(
     request: pytest.FixtureRequest,

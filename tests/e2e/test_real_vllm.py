@@ -83,6 +83,36 @@ async def test_discovery_round_robin_and_exact_engine_counts(
     assert rose == {"0": k, "1": k}
 
 
+async def test_n_samples_run_on_one_rank_and_compute_the_prompt_once(
+    vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """One completion of n = 4 through dprouter: vLLM runs the 4 sequences on the rank
+    dprouter chose and, caching blocks as it schedules them, computes the prompt once:
+    the other 3 hit its whole blocks (128 tokens on the CPU), as the simulator's vLLM
+    persona does."""
+    router = await start_router(RouterConfig(workers=(WorkerSpec(vllm_dp2.url),)))
+    hits, queries = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+    before = (
+        await engine_counts(http, vllm_dp2.url, hits),
+        await engine_counts(http, vllm_dp2.url, queries),
+    )
+    words = " ".join(f"sample{i} of the group" for i in range(120))
+    body = {"model": "tiny", "prompt": words, "max_tokens": 4, "ignore_eos": True, "n": 4}
+    async with http.post(router.url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        rank = r.headers["x-dprouter-target"].split("/")[1]
+        answer = await r.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    prompt = answer["usage"]["prompt_tokens"]
+    asked = await settle_counts(http, vllm_dp2.url, queries, sum(before[1].values()) + 4 * prompt)
+    found = await engine_counts(http, vllm_dp2.url, hits)
+    rose = {label: found[label] - before[0][label] for label in ("0", "1")}
+    looked = {label: asked[label] - before[1][label] for label in ("0", "1")}
+    SUMMARY.append(f"n = 4 on w0/{rank}: prompt {prompt}, cache looked up {looked}, hits {rose}")
+    assert looked == {rank: 4 * prompt, str(1 - int(rank)): 0}
+    assert rose[rank] == 3 * ((prompt - 1) // 128 * 128)
+
+
 async def test_tokenizer_round_trip_and_a_stored_response_fetched_by_id(
     vllm_dp2: vllm_server.VllmServer, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
