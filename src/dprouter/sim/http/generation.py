@@ -156,13 +156,9 @@ class Generation:
                 server.record(self.request, body, None)
                 return self.fail(400, str(exc))
             try:
-                done = False
-                while not done:
-                    generated, done = await progress.get()
-                    if generated == ABORTED:
-                        return self.fail(499, "request aborted", "AbortedError")
-                    if generated < 0:
-                        return self.fail(503, "engine shut down", "ServiceUnavailableError")
+                failed = await self.ended([progress])
+                if failed is not None:
+                    return failed
             finally:
                 if not copy.done:
                     server.runner.abort(copy)
@@ -233,9 +229,9 @@ class Generation:
         self.remote_kv = True
         return None
 
-    async def whole(
-        self, reqs: list[SimRequest], parsed: Parsed, queues: list[asyncio.Queue[tuple[int, bool]]]
-    ) -> web.StreamResponse:
+    async def ended(self, queues: list[asyncio.Queue[tuple[int, bool]]]) -> web.Response | None:
+        """Wait for every sequence to end; the error answer if one was aborted or the
+        engine stopped."""
         for queue in queues:
             done = False
             while not done:
@@ -244,6 +240,14 @@ class Generation:
                     return self.fail(499, "request aborted", "AbortedError")
                 if generated < 0:
                     return self.fail(503, "engine shut down", "ServiceUnavailableError")
+        return None
+
+    async def whole(
+        self, reqs: list[SimRequest], parsed: Parsed, queues: list[asyncio.Queue[tuple[int, bool]]]
+    ) -> web.StreamResponse:
+        failed = await self.ended(queues)
+        if failed is not None:
+            return failed
         digests = _digests(reqs)
         texts = [_text(d, 0, req.generated) for d, req in zip(digests, reqs, strict=True)]
         first = reqs[0]
