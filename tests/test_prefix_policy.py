@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dprouter.core.types import Role
 from dprouter.engines.kvevents.index import KvIndex
 from dprouter.engines.kvevents.keys import prompt_keys
 from dprouter.engines.kvevents.lookup import Matcher
@@ -21,12 +22,12 @@ from dprouter.policies import (
 )
 
 
-def fleet(dp: int) -> tuple[Target, ...]:
+def fleet(dp: int, role: Role = "regular") -> tuple[Target, ...]:
     registry = Registry()
-    w = registry.add(Worker(id="w0", url="http://127.0.0.1:9000", dialect="vllm"))
+    w = registry.add(Worker(id="w0", url="http://127.0.0.1:9000", role=role, dialect="vllm"))
     w.ranks = dp
     registry.mark_ready(w)
-    return registry.snapshot.pool()
+    return registry.snapshot.pool(role)
 
 
 def load(targets: tuple[Target, ...], *requests: int, tokens: tuple[int, ...] = ()) -> None:
@@ -131,6 +132,27 @@ def test_queued_tokens_weigh_against_the_prompts_tokens_not_a_short_estimate() -
     # and a queue past the held prefix's worth still sends it elsewhere: 2600 / 1001 > 2.4
     past = RequestInfo(tokens=500, prefix=Prefix(1000, {"w0/0": 600}, QueuedBy({"w0/0": 2600})))
     assert picks(targets, past, 2, token_weight=0.0) == ["w0/1", "w0/1"]
+
+
+def test_over_a_prefill_pool_the_queue_stands_for_requests_and_tokens_in_flight() -> None:
+    """A prefill rank's work ahead is its queued prefill; its turns in flight count the
+    same prompts again, and swing with each arrival."""
+    targets = fleet(4, "prefill")
+    # two turns on w0/0, the other ranks idle (bound 1.5 x 1.5 = 2.25: its prefix counts);
+    # the conversation's 600 of 1,000 tokens are on w0/0, its system prompt's 200 on w0/1
+    load(targets, 2, 0, 0, 0, tokens=(1200, 0, 0, 0))
+    queued = QueuedBy({"w0/0": 400})
+    info = RequestInfo(tokens=1000, prefix=Prefix(1000, {"w0/0": 600, "w0/1": 200}, queued))
+    # 4 x 0.6 - 400 / 1001 = 2.0 > 4 x 0.2 = 0.8: it stays (a regular pool adds
+    # 2 / 1.5 + 1200 / 1301 = 2.26 to w0/0's cost and sends it to w0/1)
+    assert picks(targets, info, 2) == ["w0/0", "w0/0"]
+    regular = fleet(4)
+    load(regular, 2, 0, 0, 0, tokens=(1200, 0, 0, 0))
+    assert picks(regular, info, 1) == ["w0/1"]
+    # with the queue term off, load is all a prefill pool has to go by
+    assert picks(targets, info, 1, queue_weight=0.0) == ["w0/1"]
+    # with nothing looked up (its engines publish nothing) it balances load
+    assert picks(targets, RequestInfo(tokens=1000), 3) == ["w0/1", "w0/2", "w0/3"]
 
 
 def test_the_bound_spreads_a_hot_prefix_whatever_its_weight() -> None:

@@ -24,6 +24,15 @@ ranks. The highest score wins; ties go to the first from a rotating start. Defau
 1.5, 1, 1, 1 (bench prefix: at 1 a one-request difference in load moved a conversation
 off its rank).
 
+Over a prefill pool (P/D) whose KV events are followed, the queue term stands for the
+load and token terms (their weights count 0): a prefill-only rank's work ahead is the
+prefill queued there, which the queue counts in the tokens still to compute, while its
+requests in flight and their tokens count the same prompts again, cached blocks as if
+computed. With no decode to keep a conversation there between turns, a prefill rank's
+load swings with each arrival -- three turns at once on one rank, none on the next -- and
+those terms moved turns off the rank holding them (docs/pd.md, 16 in flight). The bound
+still reads requests in flight: it is what spreads a group's samples over prefill ranks.
+
 The bound is what spreads a hot prefix: once its holder is loaded past the bound its
 prefix stops counting, the next request goes where load says, that rank stores the
 prefix too, and from then on the two share it by load -- so a prefix spreads over more
@@ -90,6 +99,7 @@ class PrefixPolicy:
         rows = self.rows.of(targets)
         held = 0
         queued = NONE
+        load_weight, token_weight = self.load_weight, self.token_weight
         queue_weight = self.queue_weight
         prefix = request.prefix
         if prefix is not None:
@@ -100,6 +110,10 @@ class PrefixPolicy:
                 # estimate, so the weight is scaled to it
                 if prefix.tokens > request.tokens:
                     queue_weight *= (request.tokens + 1.0) / (prefix.tokens + 1.0)
+            if queue_weight and targets[0].worker.role == "prefill":
+                # a prefill-only rank's work ahead is the prefill queued there: its
+                # requests in flight and their tokens count the same prompts again
+                load_weight = token_weight = 0.0
             if prefix.tokens and self.weight:
                 where, at, bonus = rows.where, rows.at, rows.bonus
                 stored = prefix.stored
@@ -124,8 +138,8 @@ class PrefixPolicy:
             rows.floats,
             queued,
             int(request.tokens),
-            self.load_weight,
-            self.token_weight,
+            load_weight,
+            token_weight,
             queue_weight,
             self.bound,
             held,
