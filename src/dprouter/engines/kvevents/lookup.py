@@ -95,18 +95,28 @@ class Matcher:
     ) -> Found:
         """``ids`` against what the pool's ranks hold or have pending, at ``now``; sent to
         ``adapters[dialect]`` (None or missing: the base model), whose blocks chain apart."""
-        index = self.index
-        index.expire(now)
         ranks = self.ranks(pool)
-        held: dict[str, int] = {}
-        stored: dict[str, int] | None = {} if index.pending else None
         keys: dict[Group, list[int]] = {}
         chains: dict[tuple[int, int], list[int]] = {}  # (size, root): dialects that agree share
-        for group, (among, labels) in ranks.groups.items():
+        for group in ranks.groups:
             size, start = group[0], root(adapters.get(group[1]) if adapters else None)
             if (size, start) not in chains:
                 chains[size, start] = prompt_keys(ids, size, start)
             keys[group] = chains[size, start]
+        return self._held(len(ids), keys, ranks, now)
+
+    def again(self, found: Found, now: float) -> Found:
+        """``found``'s prompt looked up once more: what was sent since counts as pending."""
+        return self._held(found.prefix.tokens, found.keys, found.ranks, now)
+
+    def _held(self, tokens: int, keys: dict[Group, list[int]], ranks: Ranks, now: float) -> Found:
+        """What each rank of ``ranks`` holds of the prompt's ``keys`` (pending counted)."""
+        index = self.index
+        index.expire(now)
+        held: dict[str, int] = {}
+        stored: dict[str, int] | None = {} if index.pending else None
+        for group, (among, labels) in ranks.groups.items():
+            size = group[0]
             done: dict[int, int] | None = {} if stored is not None else None
             for bit, blocks in index.match(keys[group], among, done).items():
                 held[labels[bit]] = blocks * size
@@ -114,7 +124,7 @@ class Matcher:
                 for bit, blocks in done.items():
                     stored[labels[bit]] = blocks * size
         queued = self.queued if index.pending else None
-        return Found(Prefix(len(ids), held, queued, stored), keys, ranks)
+        return Found(Prefix(tokens, held, queued, stored), keys, ranks)
 
     def sent(self, found: Found, target: Target, now: float) -> None:
         """The prompt went to ``target``: its blocks not held there are pending there."""
@@ -156,3 +166,6 @@ class Lookup:
 
     def sent(self, found: Found, target: Target, now: float) -> None:
         self.matcher.sent(found, target, now)
+
+    def again(self, found: Found, now: float) -> Found:
+        return self.matcher.again(found, now)
