@@ -142,10 +142,11 @@ async def test_an_engine_that_reports_no_cap_gets_every_request_at_once(
 async def test_a_request_sampling_n_waits_for_n_free_slots_on_one_rank(
     start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    """Two ranks of 4 slots each run a request of n = 3: each has one slot free, and a
-    request of n = 2 waits in the router (sent, it would queue on the rank behind the
-    engine's cap) until a rank frees its slots, then goes there. (The simulator samples
-    one sequence a request, so a stand-in engine answers, each request when told.)"""
+    """Two ranks of 4 slots each run a request of n = 3 (``--samples together``: a
+    request's samples on one rank): each has one slot free, and a request of n = 2 waits
+    in the router (sent, it would queue on the rank behind the
+    engine's cap) until a rank frees its slots, then goes there. (A stand-in engine
+    answers, each request when told.)"""
     arrived: list[tuple[int, str]] = []  # (n, rank), in arrival order
     answer = {n: asyncio.Event() for n in (2, 3)}
     first = asyncio.Event()  # the first n = 3 request ends before the other
@@ -162,7 +163,9 @@ async def test_a_request_sampling_n_waits_for_n_free_slots_on_one_rank(
     async with serving(completions_engine(completions)) as url:
         stand_in = workers(url, dialect="vllm", dp_size=2)
         router = await start_router(
-            RouterConfig(workers=stand_in, policy="least_load", dispatch_slots=SLOTS)
+            RouterConfig(
+                workers=stand_in, policy="least_load", dispatch_slots=SLOTS, samples="together"
+            )
         )
 
         async def send(n: int) -> None:

@@ -254,9 +254,9 @@ def test_a_request_sampling_n_is_counted_n_times() -> None:
 async def test_a_request_sampling_n_takes_n_of_its_ranks_load(
     start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
-    """While a request of n = 4 runs on one rank, three single requests all go to the
-    other under least_load: that rank holds 4 sequences, not 1. (The simulator samples one
-    sequence a request, so a stand-in engine answers, and keeps the n = 4 one waiting.)"""
+    """While a request of n = 4 runs on one rank (``--samples together``), three single
+    requests all go to the other under least_load: that rank holds 4 sequences, not 1. (A
+    stand-in engine answers, keeping every request waiting until all have arrived.)"""
     release = asyncio.Event()
     ranks: list[tuple[int, str]] = []  # (n, rank), in arrival order
 
@@ -268,7 +268,8 @@ async def test_a_request_sampling_n_takes_n_of_its_ranks_load(
 
     async with serving(completions_engine(completions)) as url:
         stand_in = workers(url, dialect="vllm", dp_size=2)
-        router = await start_router(RouterConfig(workers=stand_in, policy="least_load"))
+        config = RouterConfig(workers=stand_in, policy="least_load", samples="together")
+        router = await start_router(config)
 
         async def send(n: int, i: int = 0) -> None:
             body = {"prompt": f"sample me {i}", "max_tokens": 4, "n": n}

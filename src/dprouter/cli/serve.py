@@ -278,6 +278,15 @@ def make_config(
     help="Tokens of priority a second of waiting is worth, so that nothing starves.",
 )
 @option(
+    "--samples",
+    type=click.Choice(["split", "together"]),
+    help=(
+        "split: a request sampling n sequences (not streamed, no seed) is routed as its n "
+        "samples would be, one request to each target reached, the answers merged; "
+        "together: all n on one target."
+    ),
+)
+@option(
     "--max-body", type=click.IntRange(min=1), help="Largest request body in bytes (413 beyond)."
 )
 @option(

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from dprouter.core.errors import Failed, UpstreamBroke, error
+from dprouter.core.headers import TARGET_HEADER
 from dprouter.core.types import DialectName, Incoming, Kind
 from dprouter.engines import dialects
 from dprouter.engines.kvevents.computing import being_computed, wait_computed
@@ -34,6 +35,7 @@ from dprouter.proxy.read import ClientRequest, read_request
 from dprouter.proxy.relay import relay
 from dprouter.proxy.retry import Attempts
 from dprouter.proxy.routing_keys import Places, placeable
+from dprouter.proxy.samples import merge, one_sample, part, shares, splittable
 from dprouter.proxy.upload import Upload, several_models
 
 
@@ -78,7 +80,85 @@ class Proxy:
         )
         if isinstance(pools, web.Response):
             return pools
-        return await self.forward(request, client, kind, pools[0], started)
+        pool = pools[0]
+        if p.config.samples == "split" and splittable(client.incoming, kind, pool, client.pinned):
+            return await self.split(request, client, kind, pool, started)
+        return await self.forward(request, client, kind, pool, started)
+
+    async def split(
+        self,
+        request: web.Request,
+        client: ClientRequest,
+        kind: Kind,
+        pool: Sequence[Target],
+        started: float,
+    ) -> web.StreamResponse:
+        """A request's n samples routed as n requests would be, answered as one
+        (``proxy/samples.py``): the policy picks each sample's target in turn, each counted
+        there meanwhile and its prompt pending there; then one request per target reached."""
+        incoming = client.incoming
+        one = one_sample(incoming)
+        info = RequestInfo(
+            key=None,
+            text=incoming.text,
+            tokens=one.tokens,
+            now=started,
+            pool=(kind == "generate", incoming.model, None),
+        )
+        found = None
+        if self.lookup is not None:
+            found = await self.lookup.find(kind, incoming, pool, started)
+        chosen: list[Target] = []
+        counted: list[Outstanding] = []
+        try:
+            for _ in range(incoming.samples):
+                if found is not None:
+                    info = replace(info, prefix=found.prefix)
+                sample = self._choose(pool, info, one)
+                counted.append(sample if sample.claimed else sample.claim())
+                chosen.append(sample.target)
+                if found is not None and self.lookup is not None:
+                    self.lookup.sent(found, sample.target, started)
+                    found = self.lookup.again(found, started)  # its pending blocks count now
+        finally:
+            for sample in counted:  # each part is counted again as it goes
+                sample.__exit__()
+        parts = shares(chosen)
+        answers = await asyncio.gather(
+            *(
+                self._part(request, client, kind, pool, target, n, k, started)
+                for k, (target, n) in enumerate(parts)
+            )
+        )
+        failed = next((a for a in answers if a.status != 200), None)
+        if failed is not None:
+            return failed
+        bodies = [a.body for a in answers if isinstance(a, web.Response)]
+        if len(bodies) != len(answers) or not all(isinstance(b, bytes) for b in bodies):
+            return error(502, "a part of the samples came back in pieces")
+        headers = {TARGET_HEADER: ",".join(t.label for t, _ in parts)}
+        merged = merge(kind, [b for b in bodies if isinstance(b, bytes)])
+        return web.Response(body=merged, content_type="application/json", headers=headers)
+
+    async def _part(
+        self,
+        request: web.Request,
+        client: ClientRequest,
+        kind: Kind,
+        pool: Sequence[Target],
+        target: Target,
+        n: int,
+        k: int,
+        started: float,
+    ) -> web.StreamResponse:
+        """Part ``k`` of a split request: ``n`` samples on ``target``, or, if it fails
+        there, wherever the policy says."""
+        asked = part(client.incoming, kind, n, k)
+        mine = replace(client, incoming=asked, raw=orjson.dumps(asked.body), changed=True)
+        answer = await self.forward(request, mine, kind, [target], started)
+        if answer.status >= 500:
+            answer = await self.forward(request, mine, kind, pool, started)
+        return answer
 
     async def forward(
         self,
