@@ -90,7 +90,7 @@ class Log:
                 raise RuntimeError(f"HTTP {r.status} through {url}: {(await r.text())[:200]}")
 
 
-def _words(rng: random.Random, tokens: float, per_word: float) -> str:
+def words(rng: random.Random, tokens: float, per_word: float) -> str:
     return " ".join(f"w{rng.getrandbits(20)}" for _ in range(max(1, round(tokens / per_word))))
 
 
@@ -98,8 +98,8 @@ async def shared(log: Log, url: str, per_word: float, groups: int, seed: int) ->
     """``groups`` x 32 prompts over 4,096-token system prompts, in order, 64 clients."""
     rng = random.Random(seed)
     queue = [
-        system + " " + _words(rng, 128, per_word)
-        for system in (_words(rng, 4096, per_word) for _ in range(groups))
+        system + " " + words(rng, 128, per_word)
+        for system in (words(rng, 4096, per_word) for _ in range(groups))
         for _ in range(32)
     ]
     queue.reverse()  # popped from the end: in order
@@ -108,7 +108,7 @@ async def shared(log: Log, url: str, per_word: float, groups: int, seed: int) ->
         while queue:
             await log.post(session, url, queue.pop(), 256)
 
-    await _with_session(lambda s: asyncio.gather(*(client(s) for _ in range(64))))
+    await with_session(lambda s: asyncio.gather(*(client(s) for _ in range(64))))
 
 
 async def grpo(log: Log, url: str, per_word: float, groups: int, seed: int) -> None:
@@ -121,16 +121,16 @@ async def grpo(log: Log, url: str, per_word: float, groups: int, seed: int) -> N
         t0, tasks = loop.time(), []
         for g in range(groups):
             await asyncio.sleep(max(0.0, t0 + g * SCALE - loop.time()))
-            prompt = _words(rng, 4500 + rng.randint(-300, 300), per_word)
+            prompt = words(rng, 4500 + rng.randint(-300, 300), per_word)
             for _ in range(8):
                 n = max(32, min(1024, int(rng.lognormvariate(0, 0.6) * 256)))
                 tasks.append(asyncio.create_task(log.post(session, url, f"{prompt} eos={n}", 1024)))
         await asyncio.gather(*tasks)
 
-    await _with_session(send)
+    await with_session(send)
 
 
-async def _with_session(body: Callable[[aiohttp.ClientSession], Awaitable[object]]) -> None:
+async def with_session(body: Callable[[aiohttp.ClientSession], Awaitable[object]]) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
