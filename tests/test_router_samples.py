@@ -1,7 +1,7 @@
-"""A request sampling n sequences, routed as its n samples would be (``--samples split``,
-the default): the policy picks each sample's target, one request goes to each target
-reached with n its share, and the client gets one answer with every sample. What each
-simulated engine received, and on which rank, shows the split."""
+"""A request sampling n sequences, routed as its n samples would be (``--samples split``;
+``auto``, the default, splits under ``prefix``): the policy picks each sample's target,
+one request goes to each target reached with n its share, and the client gets one answer
+with every sample. What each simulated engine received, and on which rank, shows it."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ async def test_n_samples_go_to_the_ranks_the_policy_picks_and_come_back_as_one(
     """least_load over two ranks: the 4 samples of one request go 2 and 2 (as 4 separate
     requests would), and the answer holds 4 choices numbered 0-3 and all their tokens."""
     (engine,) = (await start_cluster([EngineConfig(dp_size=2, limits=LIMITS)])).servers
-    router = await start_router(RouterConfig(workers=workers(engine.url), policy="least_load"))
+    config = RouterConfig(workers=workers(engine.url), policy="least_load", samples="split")
+    router = await start_router(config)
     body = {"prompt": "sample a group", "max_tokens": 6, "n": 4}
     targets, answer = await completions(http, router.url, body)
     assert sorted(targets.split(",")) == ["w0/0", "w0/1"]
@@ -59,9 +60,10 @@ async def test_n_samples_go_to_the_ranks_the_policy_picks_and_come_back_as_one(
 @pytest.mark.parametrize(
     ("extra", "config"),
     [
-        ({"stream": True}, {}),  # its chunks would need renumbering on the fly
-        ({"seed": 7}, {}),  # each part would draw the same samples
+        ({"stream": True}, {"samples": "split"}),  # its chunks would need renumbering
+        ({"seed": 7}, {"samples": "split"}),  # each part would draw the same samples
         ({}, {"samples": "together"}),
+        ({}, {}),  # auto: least_load is blind to the prompt each rank would compute again
     ],
 )
 async def test_n_samples_stay_together_where_splitting_would_change_the_answer(
@@ -87,7 +89,8 @@ async def test_sglang_generate_samples_split_and_join_in_one_list(
 ) -> None:
     config = EngineConfig(persona="sglang", dp_size=2, dp_attention=True, limits=LIMITS)
     (engine,) = (await start_cluster([config])).servers
-    router = await start_router(RouterConfig(workers=workers(engine.url), policy="least_load"))
+    options = RouterConfig(workers=workers(engine.url), policy="least_load", samples="split")
+    router = await start_router(options)
     body = {"text": "sample a group", "sampling_params": {"max_new_tokens": 5, "n": 4}}
     async with http.post(router.url + "/generate", json=body) as r:
         assert r.status == 200, await r.text()
@@ -104,8 +107,8 @@ async def test_a_group_as_one_request_computes_its_prompt_where_prefix_routing_s
     tokenizer_dir: Path,
 ) -> None:
     """GRPO's group as one request of n = 8 on an SGLang DP4 engine publishing its KV
-    events, under prefix: the samples spread over the ranks as separate samples would
-    (never 8 on one rank), and the parts sent where the prompt was pending wait for it:
+    events, under prefix (``--samples auto`` splits there): the samples spread over the
+    ranks as separate samples would (never 8 on one rank), one part per rank reached, and
     each rank reached computes the prompt once."""
     config = events_engine(tokenizer_dir, 4, persona="sglang")
     (engine,) = (await start_cluster([config])).servers

@@ -24,6 +24,7 @@ SCENARIOS = {
     "prefix": "prefix",
     "groups": "groups",
     "groups-peers": "groups_peers",
+    "samples": "samples",
     "peers": "peers",
     "overhead": "overhead",
     "burst": "burst",

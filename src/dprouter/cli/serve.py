@@ -279,11 +279,12 @@ def make_config(
 )
 @option(
     "--samples",
-    type=click.Choice(["split", "together"]),
+    type=click.Choice(["auto", "split", "together"]),
     help=(
         "split: a request sampling n sequences (not streamed, no seed) is routed as its n "
         "samples would be, one request to each target reached, the answers merged; "
-        "together: all n on one target."
+        "together: all n on one target, as the engine runs them; auto: split under prefix "
+        "(which weighs the prompt a rank holds), together under the others."
     ),
 )
 @option(

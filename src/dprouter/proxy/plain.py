@@ -54,6 +54,10 @@ class Proxy:
         self.placer = placer  # several processes or replicas: manual's keys are placed once
         self.lock = lock  # several serving processes: one decision at a time
         self.lookup: Lookup | None = None  # a policy that needs tokens: what targets hold
+        # a request's n samples split over targets: a cache-blind policy would compute the
+        # prompt on every rank it spreads them to (bench samples)
+        mode = parts.config.samples
+        self.splits = mode == "split" or (mode == "auto" and policy.name == "prefix")
 
     async def handle(
         self, request: web.Request, kind: Kind, dialect: DialectName | None = None
@@ -81,7 +85,7 @@ class Proxy:
         if isinstance(pools, web.Response):
             return pools
         pool = pools[0]
-        if p.config.samples == "split" and splittable(client.incoming, kind, pool, client.pinned):
+        if self.splits and splittable(client.incoming, kind, pool, client.pinned):
             return await self.split(request, client, kind, pool, started)
         return await self.forward(request, client, kind, pool, started)
 
@@ -155,9 +159,9 @@ class Proxy:
         there, wherever the policy says."""
         asked = part(client.incoming, kind, n, k)
         mine = replace(client, incoming=asked, raw=orjson.dumps(asked.body), changed=True)
-        answer = await self.forward(request, mine, kind, [target], started)
+        answer = await self.forward(request, mine, kind, [target], started, planned=True)
         if answer.status >= 500:
-            answer = await self.forward(request, mine, kind, pool, started)
+            answer = await self.forward(request, mine, kind, pool, started, planned=True)
         return answer
 
     async def forward(
@@ -168,9 +172,12 @@ class Proxy:
         pool: Sequence[Target],
         started: float,
         watch: Callable[[bytes], None] | None = None,
+        planned: bool = False,
     ) -> web.StreamResponse:
         """Pick a target of ``pool`` by the policy, write its rank, forward, retry; a
-        stream's bytes pass ``watch`` on their way to the client."""
+        stream's bytes pass ``watch`` on their way to the client. ``planned``: a part of a
+        split request, whose prompt the split marked pending on its target itself (there
+        is nothing to wait for)."""
         incoming = client.incoming
         info = RequestInfo(
             key=incoming.key,
@@ -198,7 +205,8 @@ class Proxy:
                 return error(503, str(exc))
             computing: list[int] = []
             if found is not None and self.lookup is not None:
-                computing = being_computed(self.lookup.index, found, counted.target)
+                if not planned:
+                    computing = being_computed(self.lookup.index, found, counted.target)
                 self.lookup.sent(found, counted.target, started)  # its blocks are pending there
             try:
                 with counted:  # counted on every exit, a claimed one too

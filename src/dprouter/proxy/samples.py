@@ -11,7 +11,11 @@ one request goes to each target reached, with n its share, and the answers are m
 ``choices`` renumbered in order, ``usage`` with the prompt once and every sample's output;
 SGLang's ``/generate`` list joined.
 
-Not split (``--samples together``, or where splitting would change the answer): a
+Split under ``--samples split``, and under ``auto`` (the default) when the policy is
+``prefix``: a cache-blind policy spreads the samples by load alone, and each rank they
+reach computes the prompt again (``bench samples``: under ``least_load``, 0 % prompt
+hits and a later p90). Not split (``together``, or where splitting would change the
+answer): a
 streamed request (its chunks would need renumbering on the fly), one with a ``seed``
 (each part would draw the same samples), a batch of prompts, a session's (a routing key:
 it sticks), a pinned rank, or a pool of one target.
