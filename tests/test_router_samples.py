@@ -1,5 +1,5 @@
 """A request sampling n sequences, routed as its n samples would be (``--samples split``;
-``auto``, the default, splits under ``prefix``): the policy picks each sample's target,
+by default they stay together): the policy picks each sample's target,
 one request goes to each target reached with n its share, and the client gets one answer
 with every sample. What each simulated engine received, and on which rank, shows it."""
 
@@ -63,7 +63,7 @@ async def test_n_samples_go_to_the_ranks_the_policy_picks_and_come_back_as_one(
         ({"stream": True}, {"samples": "split"}),  # its chunks would need renumbering
         ({"seed": 7}, {"samples": "split"}),  # each part would draw the same samples
         ({}, {"samples": "together"}),
-        ({}, {}),  # auto: least_load is blind to the prompt each rank would compute again
+        ({}, {}),  # the default
     ],
 )
 async def test_n_samples_stay_together_where_splitting_would_change_the_answer(
@@ -107,12 +107,12 @@ async def test_a_group_as_one_request_computes_its_prompt_where_prefix_routing_s
     tokenizer_dir: Path,
 ) -> None:
     """GRPO's group as one request of n = 8 on an SGLang DP4 engine publishing its KV
-    events, under prefix (``--samples auto`` splits there): the samples spread over the
+    events, under prefix and ``--samples split``: the samples spread over the
     ranks as separate samples would (never 8 on one rank), one part per rank reached, and
     each rank reached computes the prompt once."""
     config = events_engine(tokenizer_dir, 4, persona="sglang")
     (engine,) = (await start_cluster([config])).servers
-    router = await start_router(prefix_config(tokenizer_dir, spec(engine)))
+    router = await start_router(prefix_config(tokenizer_dir, spec(engine), samples="split"))
     body = {"prompt": words(5, 900), "max_tokens": 8, "n": 8}
     targets, answer = await completions(http, router.url, body)
     assert len(answer["choices"]) == 8

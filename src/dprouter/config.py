@@ -96,10 +96,10 @@ class RouterConfig:
     dispatch_slots: int = 0  # running slots per rank when the engines do not say; 0: theirs
     dispatch_wait: float = 600.0  # seconds a request may be held before a 503
     dispatch_aging: float = 100.0  # tokens of priority a second of waiting is worth
-    # a request sampling n sequences: routed as its n samples would be, one request to each
-    # target reached, answered as one (proxy/samples.py); together: all on one target;
-    # auto: split under a policy that weighs the prompt a rank holds (prefix)
-    samples: SamplesMode = "auto"
+    # a request sampling n sequences: all on one target, as the engine runs them; split:
+    # routed as its n samples would be, one request to each target reached, answered as
+    # one (proxy/samples.py; bench samples: evener lock-step steps, fewer prompt hits)
+    samples: SamplesMode = "together"
     dashboard: bool = False  # /dashboard and /dashboard/data; behind admin_token when set
     pd: PdMode | None = None  # P/D disaggregation flow, chosen once; None: regular workers
     prefill_policy: str | None = None  # None: --policy (round_robin)
@@ -267,8 +267,8 @@ def validate(config: RouterConfig) -> RouterConfig:
     admin_networks(config.admin_from)
     if config.dispatch not in ("auto", "off"):
         raise ConfigError(f"dispatch must be auto or off, got {config.dispatch!r}")
-    if config.samples not in ("auto", "split", "together"):
-        raise ConfigError(f"samples must be auto, split or together, got {config.samples!r}")
+    if config.samples not in ("split", "together"):
+        raise ConfigError(f"samples must be split or together, got {config.samples!r}")
     if config.output_budget not in ("typical", "cap"):
         raise ConfigError(f"output_budget must be typical or cap, got {config.output_budget!r}")
     if not 0 <= config.cache_threshold <= 1:

@@ -279,12 +279,11 @@ def make_config(
 )
 @option(
     "--samples",
-    type=click.Choice(["auto", "split", "together"]),
+    type=click.Choice(["split", "together"]),
     help=(
-        "split: a request sampling n sequences (not streamed, no seed) is routed as its n "
-        "samples would be, one request to each target reached, the answers merged; "
-        "together: all n on one target, as the engine runs them; auto: split under prefix "
-        "(which weighs the prompt a rank holds), together under the others."
+        "A request sampling n sequences: together on one target, as the engine runs them; "
+        "split (not streamed, no seed): routed as its n samples would be, one request to "
+        "each target reached, the answers merged (evener lock-step steps, fewer prompt hits)."
     ),
 )
 @option(

@@ -19,8 +19,7 @@ PdMode = Literal["vllm-nixl", "vllm-mooncake", "vllm-moriio", "sglang"]
 PD_MODES: tuple[PdMode, ...] = ("vllm-nixl", "vllm-mooncake", "vllm-moriio", "sglang")
 DpAware = Literal["auto", "off"]
 DispatchMode = Literal["auto", "off"]  # auto: hold where running caps are known
-# a request's n samples: routed one by one, or not; auto: one by one under prefix
-SamplesMode = Literal["auto", "split", "together"]
+SamplesMode = Literal["split", "together"]  # a request's n samples: routed one by one, or not
 # how a request's body is read: each endpoint names one (see server/endpoints.py)
 Kind = Literal["completion", "chat", "generate", "pooling", "tokenizer", "responses", "audio"]
 

@@ -54,10 +54,7 @@ class Proxy:
         self.placer = placer  # several processes or replicas: manual's keys are placed once
         self.lock = lock  # several serving processes: one decision at a time
         self.lookup: Lookup | None = None  # a policy that needs tokens: what targets hold
-        # a request's n samples split over targets: a cache-blind policy would compute the
-        # prompt on every rank it spreads them to (bench samples)
-        mode = parts.config.samples
-        self.splits = mode == "split" or (mode == "auto" and policy.name == "prefix")
+        self.splits = parts.config.samples == "split"  # a request's n samples over targets
 
     async def handle(
         self, request: web.Request, kind: Kind, dialect: DialectName | None = None

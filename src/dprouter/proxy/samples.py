@@ -11,14 +11,17 @@ one request goes to each target reached, with n its share, and the answers are m
 ``choices`` renumbered in order, ``usage`` with the prompt once and every sample's output;
 SGLang's ``/generate`` list joined.
 
-Split under ``--samples split``, and under ``auto`` (the default) when the policy is
-``prefix``: a cache-blind policy spreads the samples by load alone, and each rank they
-reach computes the prompt again (``bench samples``: under ``least_load``, 0 % prompt
-hits and a later p90). Not split (``together``, or where splitting would change the
-answer): a
-streamed request (its chunks would need renumbering on the fly), one with a ``seed``
-(each part would draw the same samples), a batch of prompts, a session's (a routing key:
-it sticks), a pinned rank, or a pool of one target.
+Split only under ``--samples split``; the default keeps a request's samples together,
+as the engine runs them. What a split buys (``bench samples``, GRPO groups of n = 8 on
+DP-attention engines, four runs): under ``prefix`` a group reaches about 2 ranks and
+the busiest rank's decode steps fall from 1.51 to 1.12-1.19 times the mean, for fewer
+prompt hits (75-77 % against 89 %), 35-55 ms more mean TTFT, and a p90 group latency
+within run-to-run noise of together's; under a cache-blind policy each rank the samples
+reach computes the prompt again (``least_load``: 0-19 % prompt hits, p90 +7-14 %).
+Not split, even then, where splitting would change the answer: a streamed request (its
+chunks would need renumbering on the fly), one with a ``seed`` (each part would draw
+the same samples), a batch of prompts, a session's (a routing key: it sticks), a pinned
+rank, or a pool of one target.
 """
 
 from __future__ import annotations

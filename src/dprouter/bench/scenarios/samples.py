@@ -4,7 +4,7 @@ The GRPO shape of ``groups`` (2 SGLang engines x DP4 with DP attention and KV ev
 16 groups of 8 samples of one ~4,500-token prompt, a group each simulated second), but
 each group one request with ``n = 8``, as RL frameworks that sample through the engine
 send it. An engine runs a request's samples on one rank; dprouter's ``--samples split``
-(the default) routes them as separate samples would go and merges the answers. Rows:
+routes them as separate samples would go and merges the answers. Rows:
 split and together under ``prefix`` and ``least_load``, and smg 1.13 (which sends a
 request to one rank) where it runs. Over real HTTP, engines in this process as in
 ``groups-peers``; every figure is the engines' own, in simulated time.
@@ -178,7 +178,8 @@ async def measure(quick: bool) -> tuple[dict[str, dict[str, Metrics]], list[str]
 
 def checks(data: dict[str, dict[str, Metrics]]) -> dict[str, bool]:
     """Split against together under prefix, per cost model: a group reaches more ranks,
-    the engines' decode steps are evener; with KV reads, no group waits longer."""
+    the engines' decode steps are evener, and the p90 group latency stays within 10 %
+    (two runs of a row differed by 5 %)."""
     out: dict[str, bool] = {}
     for variant, found in data.items():
         split = found.get("dprouter, prefix (events), split")
@@ -191,10 +192,9 @@ def checks(data: dict[str, dict[str, Metrics]]) -> dict[str, bool]:
         out[f"{variant}: split evens the busiest rank's decode steps"] = (
             split["steps_imbalance"] < together["steps_imbalance"]
         )
-        if variant == "KV reads":
-            out[f"{variant}: split p90 group latency <= together's"] = (
-                split["latency_p90"] <= together["latency_p90"]
-            )
+        out[f"{variant}: split p90 group latency within 10 % of together's"] = (
+            split["latency_p90"] <= 1.1 * together["latency_p90"]
+        )
     return out
 
 
@@ -256,7 +256,8 @@ def run(quick: bool, out: Path) -> Result:
             "samples ran on; busiest/mean: samples per rank, and decode steps per rank (under "
             "DP attention the busiest rank's steps are the engine's); hit rate from the "
             "engines' prefix-cache counters (SGLang's prompt-only copy of an n request "
-            "included). One run per row."
+            "included). One run per row: two runs of the KV-reads rows differed by 5 % in "
+            "p90 group latency, which way split and together compare."
         ),
         tables=[
             Table(header, _rows(found), f"GRPO groups, one request of n = {N} each, {variant}")
