@@ -184,8 +184,9 @@ async def test_the_router_never_passes_on_an_engine_control_path(
     cluster = await start_cluster([EngineConfig(), EngineConfig(persona="sglang")])
     router = await start_router(RouterConfig(workers=workers(*cluster.urls), admin_token=TOKEN))
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    # not engine commands (docs/rl.md): profiling, RPC into the workers, LoRA loading
-    for path in ("/start_profile", "/collective_rpc", "/load_lora_adapter", "/set_internal_state"):
+    # not engine commands (docs/rl.md): profiling, RPC into the workers, LoRA from tensors
+    paths = ("/start_profile", "/collective_rpc", "/load_lora_adapter_from_tensors")
+    for path in (*paths, "/set_internal_state"):
         async with http.post(router.url + path, json={}, headers=auth) as r:
             assert r.status == 404
             assert (await r.json())["error"]["message"] == f"no route {path}"
