@@ -21,12 +21,20 @@ from dprouter.policies import (
     needs_tokens,
 )
 
+EVENTS = "tcp://127.0.0.1:5557"
 
-def fleet(dp: int, role: Role = "regular") -> tuple[Target, ...]:
+
+def fleet(
+    dp: int, role: Role = "regular", events: tuple[str | None, ...] = (None,)
+) -> tuple[Target, ...]:
+    """One worker of ``dp`` ranks per entry of ``events`` (its KV-event publisher)."""
     registry = Registry()
-    w = registry.add(Worker(id="w0", url="http://127.0.0.1:9000", role=role, dialect="vllm"))
-    w.ranks = dp
-    registry.mark_ready(w)
+    for i, publisher in enumerate(events):
+        url = f"http://127.0.0.1:{9000 + i}"
+        worker = Worker(id=f"w{i}", url=url, role=role, dialect="vllm", kv_events=publisher)
+        w = registry.add(worker)
+        w.ranks = dp
+        registry.mark_ready(w)
     return registry.snapshot.pool(role)
 
 
@@ -137,7 +145,7 @@ def test_queued_tokens_weigh_against_the_prompts_tokens_not_a_short_estimate() -
 def test_over_a_prefill_pool_the_queue_stands_for_requests_and_tokens_in_flight() -> None:
     """A prefill rank's work ahead is its queued prefill; its turns in flight count the
     same prompts again, and swing with each arrival."""
-    targets = fleet(4, "prefill")
+    targets = fleet(4, "prefill", (EVENTS,))
     # two turns on w0/0, the other ranks idle (bound 1.5 x 1.5 = 2.25: its prefix counts);
     # the conversation's 600 of 1,000 tokens are on w0/0, its system prompt's 200 on w0/1
     load(targets, 2, 0, 0, 0, tokens=(1200, 0, 0, 0))
@@ -153,6 +161,18 @@ def test_over_a_prefill_pool_the_queue_stands_for_requests_and_tokens_in_flight(
     assert picks(targets, info, 1, queue_weight=0.0) == ["w0/1"]
     # with nothing looked up (its engines publish nothing) it balances load
     assert picks(targets, RequestInfo(tokens=1000), 3) == ["w0/1", "w0/2", "w0/3"]
+
+
+def test_a_prefill_pool_partly_followed_still_counts_load() -> None:
+    """A prefill worker that publishes no events reads 0 queued: with load not counted it
+    would look free to every prompt. In a pool where one does, load counts as anywhere."""
+    targets = fleet(1, "prefill", (EVENTS, None))  # w0 followed, w1 not
+    load(targets, 0, 3, tokens=(0, 3000))
+    info = RequestInfo(tokens=1000, prefix=Prefix(1000, {}, QueuedBy({"w0": 500})))
+    assert picks(targets, info, 1) == ["w0"]  # w1's three prompts in flight count
+    followed = fleet(1, "prefill", (EVENTS, EVENTS))
+    load(followed, 0, 3, tokens=(0, 3000))
+    assert picks(followed, info, 1) == ["w1"]  # its queue is known: nothing there
 
 
 def test_the_bound_spreads_a_hot_prefix_whatever_its_weight() -> None:

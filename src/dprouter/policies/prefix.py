@@ -24,7 +24,7 @@ ranks. The highest score wins; ties go to the first from a rotating start. Defau
 1.5, 1, 1, 1 (bench prefix: at 1 a one-request difference in load moved a conversation
 off its rank).
 
-Over a prefill pool (P/D) whose KV events are followed, the queue term stands for the
+Over a prefill pool (P/D) whose KV events are all followed, the queue term stands for the
 load and token terms (their weights count 0): a prefill-only rank's work ahead is the
 prefill queued there, which the queue counts in the tokens still to compute, while its
 requests in flight and their tokens count the same prompts again, cached blocks as if
@@ -64,7 +64,7 @@ class Rows:
     """One pool's board slots and positions by label, with kept buffers for a decision
     (packed: ``kernels.prefix_pick`` unpacks each array argument at a cost)."""
 
-    __slots__ = ("at", "bonus", "cost", "floats", "ints", "pool", "where")
+    __slots__ = ("at", "bonus", "cost", "floats", "followed", "ints", "pool", "where")
 
     def __init__(self, pool: Sequence[Target]) -> None:
         n = len(pool)
@@ -74,6 +74,9 @@ class Rows:
         self.ints[0] = [t.slot for t in pool]
         self.floats: npt.NDArray[np.float64] = np.zeros((2, n))  # the costs; the bonuses
         self.where = {t.label: i for i, t in enumerate(pool)}
+        # every worker's KV events followed: its queue is known (one that publishes none
+        # reads 0 queued, and, its load not counted, would look free to every prompt)
+        self.followed = all(t.worker.kv_events is not None for t in pool)
         self.at, self.bonus, self.cost = self.ints[3], self.floats[1], self.floats[0]  # views
 
 
@@ -110,7 +113,7 @@ class PrefixPolicy:
                 # estimate, so the weight is scaled to it
                 if prefix.tokens > request.tokens:
                     queue_weight *= (request.tokens + 1.0) / (prefix.tokens + 1.0)
-            if queue_weight and targets[0].worker.role == "prefill":
+            if queue_weight and targets[0].worker.role == "prefill" and rows.followed:
                 # a prefill-only rank's work ahead is the prefill queued there: its
                 # requests in flight and their tokens count the same prompts again
                 load_weight = token_weight = 0.0
