@@ -167,7 +167,7 @@ def learn(
         if isinstance(body, bytes) and found is not None:
             # OpenAI's usage sums the n samples (each ran about as long); SGLang answers n
             # samples with a list, one object each, the last one's count its own
-            each = found if body.lstrip()[:1] == b"[" else found // incoming.samples
+            each = found if body[:64].lstrip()[:1] == b"[" else found // incoming.samples
             estimate.observe(each, incoming.model, incoming.group)
     elif counted.seen:
         estimate.observe(counted.seen // incoming.samples, incoming.model, incoming.group)

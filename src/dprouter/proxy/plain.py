@@ -21,7 +21,7 @@ from dprouter.core.headers import TARGET_HEADER
 from dprouter.core.types import DialectName, Incoming, Kind
 from dprouter.engines import dialects
 from dprouter.engines.kvevents.computing import being_computed, wait_computed
-from dprouter.engines.kvevents.lookup import Lookup
+from dprouter.engines.kvevents.lookup import Found, Lookup
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.policies import Policy, RequestInfo
@@ -127,7 +127,7 @@ class Proxy:
         parts = shares(chosen)
         answers = await asyncio.gather(
             *(
-                self._part(request, client, kind, pool, target, n, k, started)
+                self._part(request, client, kind, pool, target, n, k, started, found)
                 for k, (target, n) in enumerate(parts)
             )
         )
@@ -135,10 +135,11 @@ class Proxy:
         if failed is not None:
             return failed
         bodies = [a.body for a in answers if isinstance(a, web.Response)]
-        if len(bodies) != len(answers) or not all(isinstance(b, bytes) for b in bodies):
+        whole = [b for b in bodies if isinstance(b, bytes)]  # a 200 not streamed: whole
+        if len(whole) != len(answers):
             return error(502, "a part of the samples came back in pieces")
         headers = {TARGET_HEADER: ",".join(t.label for t, _ in parts)}
-        merged = merge(kind, [b for b in bodies if isinstance(b, bytes)])
+        merged = merge(kind, whole)
         return web.Response(body=merged, content_type="application/json", headers=headers)
 
     async def _part(
@@ -151,14 +152,15 @@ class Proxy:
         n: int,
         k: int,
         started: float,
+        found: Found | None,
     ) -> web.StreamResponse:
         """Part ``k`` of a split request: ``n`` samples on ``target``, or, if it fails
-        there, wherever the policy says."""
+        there, wherever the policy says; its prompt as the split ``found`` it."""
         asked = part(client.incoming, kind, n, k)
         mine = replace(client, incoming=asked, raw=orjson.dumps(asked.body), changed=True)
-        answer = await self.forward(request, mine, kind, [target], started, planned=True)
+        answer = await self.forward(request, mine, kind, [target], started, plan=found)
         if answer.status >= 500:
-            answer = await self.forward(request, mine, kind, pool, started, planned=True)
+            answer = await self.forward(request, mine, kind, pool, started, plan=found)
         return answer
 
     async def forward(
@@ -169,12 +171,12 @@ class Proxy:
         pool: Sequence[Target],
         started: float,
         watch: Callable[[bytes], None] | None = None,
-        planned: bool = False,
+        plan: Found | None = None,
     ) -> web.StreamResponse:
         """Pick a target of ``pool`` by the policy, write its rank, forward, retry; a
-        stream's bytes pass ``watch`` on their way to the client. ``planned``: a part of a
-        split request, whose prompt the split marked pending on its target itself (there
-        is nothing to wait for)."""
+        stream's bytes pass ``watch`` on their way to the client. ``plan``: a part of a
+        split request, its prompt as the split looked it up and marked it pending on the
+        part's target (not looked up again; nothing to wait for)."""
         incoming = client.incoming
         info = RequestInfo(
             key=incoming.key,
@@ -183,11 +185,11 @@ class Proxy:
             now=started,
             pool=(kind == "generate", incoming.model, client.pinned),
         )
-        found = None
-        if self.lookup is not None:
+        found = plan
+        if plan is None and self.lookup is not None:
             found = await self.lookup.find(kind, incoming, pool, started)
-            if found is not None:
-                info = replace(info, prefix=found.prefix)
+        if found is not None:
+            info = replace(info, prefix=found.prefix)
         attempts = self.parts.retry.start()
 
         async def attempt(left: Pools) -> web.StreamResponse:
@@ -202,7 +204,7 @@ class Proxy:
                 return error(503, str(exc))
             computing: list[int] = []
             if found is not None and self.lookup is not None:
-                if not planned:
+                if plan is None:
                     computing = being_computed(self.lookup.index, found, counted.target)
                 self.lookup.sent(found, counted.target, started)  # its blocks are pending there
             try:
