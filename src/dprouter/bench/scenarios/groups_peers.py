@@ -16,11 +16,12 @@ router's own time (and any wait it imposes) counts, the HTTP client's does not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import statistics
 import tempfile
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -137,23 +138,32 @@ async def with_session(body: Callable[[aiohttp.ClientSession], Awaitable[object]
         await body(session)
 
 
-async def once(run: Run, shape: str, config: EngineConfig, per_word: float, quick: bool) -> Metrics:
-    engines, dp = SHAPES[shape]
-    engine = replace(config, dp_size=dp, time_scale=SCALE)
+@contextlib.asynccontextmanager
+async def routed(run: Run, engine: EngineConfig, engines: int) -> AsyncIterator[tuple[Log, str]]:
+    """``run``'s router over a fresh cluster of ``engines`` x ``engine``, what the engines
+    take watched from now on: the log and the router's URL. The router stops on the way
+    out; the engines after, so their records can still be read inside."""
     async with SimCluster([engine] * engines) as cluster:
         proc, url = await start(run, cluster.servers, engine)
         try:
             log = Log(cluster.servers)
             log.watch()
-            workload = shared if shape == "shared" else grpo
-            lags: list[float] = []
-            probe = asyncio.create_task(_lag(lags))
-            try:
-                await workload(log, url, per_word, 8 if quick else 16, seed=1)
-            finally:
-                probe.cancel()
+            yield log, url
         finally:
             await proc.stop()
+
+
+async def once(run: Run, shape: str, config: EngineConfig, per_word: float, quick: bool) -> Metrics:
+    engines, dp = SHAPES[shape]
+    engine = replace(config, dp_size=dp, time_scale=SCALE)
+    async with routed(run, engine, engines) as (log, url):
+        workload = shared if shape == "shared" else grpo
+        lags: list[float] = []
+        probe = asyncio.create_task(_lag(lags))
+        try:
+            await workload(log, url, per_word, 8 if quick else 16, seed=1)
+        finally:
+            probe.cancel()
         return {**_metrics(log, dp), "loop_lag_ms": statistics.mean(lags or [0.0]) * 1e3}
 
 

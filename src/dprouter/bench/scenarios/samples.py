@@ -27,9 +27,8 @@ import aiohttp
 
 from dprouter.bench.harness import peer_routers
 from dprouter.bench.report.results import Cell, Result, Table
-from dprouter.bench.scenarios.groups_peers import SCALE, Log, with_session, words
-from dprouter.bench.scenarios.peers import CHAT_EVENTS, Run, start, tokens_per_word
-from dprouter.sim.http.cluster import SimCluster
+from dprouter.bench.scenarios.groups_peers import SCALE, Log, routed, with_session, words
+from dprouter.bench.scenarios.peers import CHAT_EVENTS, Run, tokens_per_word
 from dprouter.sim.model.config import CostModel, EngineConfig
 from dprouter.sim.model.vocab import write_tokenizer
 
@@ -99,14 +98,8 @@ async def groups_as_requests(
 
 async def once(run: Run, config: EngineConfig, per_word: float, groups: int) -> Metrics:
     engine = replace(config, dp_size=DP, time_scale=SCALE)
-    async with SimCluster([engine] * ENGINES) as cluster:
-        proc, url = await start(run, cluster.servers, engine)
-        try:
-            log = Log(cluster.servers)
-            log.watch()
-            sends = await groups_as_requests(log, url, per_word, groups, seed=1)
-        finally:
-            await proc.stop()
+    async with routed(run, engine, ENGINES) as (log, url):
+        sends = await groups_as_requests(log, url, per_word, groups, seed=1)
         return _metrics(log, sends)
 
 
