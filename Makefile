@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,dev,bench]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,dev,bench,tracing]'
 	touch $@
 
 demo: $(VENV)/.installed

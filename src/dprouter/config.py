@@ -11,6 +11,7 @@ contradictions fail with a message that says what to change:
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 import tomllib
@@ -87,6 +88,35 @@ class RouterConfig:
     # None: the admin API (workers, engine commands) is open to loopback and admin_from only
     admin_token: str | None = None
     admin_from: tuple[str, ...] = ()  # without a token: networks (CIDR) the admin API trusts
+    # -- the front door (docs/security.md) --
+    # tenants: their API keys (or the environment variables holding them), role, priority
+    # class, weight and limits, as a YAML file; None: no keys (the data plane is open)
+    tenants: str | None = None
+    # JWT bearer tokens, verified against the issuer's keys (JWKS: its URL, or None: the
+    # issuer's OpenID discovery document names it); iss, aud and exp are checked
+    jwt_issuer: str | None = None
+    jwt_jwks: str | None = None
+    jwt_audience: str | None = None
+    jwt_tenant_claim: str = "sub"  # the claim naming the caller's tenant
+    jwt_role_claim: str = "role"  # a claim of "admin" (or a list holding it): the admin role
+    # priority classes, highest first: a request's is its tenant's, or the X-Priority header's
+    # when its tenant may set it; the lowest is shed first when the router's queue is full
+    classes: tuple[str, ...] = ("high", "normal", "low")
+    # requests held in the router (the dispatcher's queue) at most; 0: no bound
+    dispatch_queue: int = 0
+    # requests a rank may queue beyond its running slots before the router holds new ones
+    engine_queue: int = 0
+    # HTTPS: the router's certificate chain and key (PEM), reloaded on SIGHUP
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # to the engines: a CA bundle for their certificates, a client certificate and key
+    # (mTLS), and the API key sent as Authorization: Bearer (a worker's own api_key wins)
+    engine_ca: str | None = None
+    engine_cert: str | None = None
+    engine_key: str | None = None
+    engine_api_key: str | None = None
+    # OpenTelemetry traces, exported over OTLP as OTEL_EXPORTER_OTLP_* say; off: no cost
+    tracing: bool = False
     # seconds a request waits while every worker that could serve it is paused or updating
     # its weights (or has not reached the version it asks for) before a 503
     hold_wait: float = 60.0
@@ -257,6 +287,8 @@ def validate(config: RouterConfig) -> RouterConfig:
         "dispatch_slots",
         "dispatch_wait",
         "dispatch_aging",
+        "dispatch_queue",
+        "engine_queue",
     ):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
@@ -264,6 +296,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
     check_prefix(config)
+    check_door(config)
     admin_networks(config.admin_from)
     if config.dispatch not in ("auto", "off"):
         raise ConfigError(f"dispatch must be auto or off, got {config.dispatch!r}")
@@ -370,6 +403,25 @@ def check_prefix(config: RouterConfig) -> None:
     for name in ("prefix_weight", "prefix_bound", "load_weight", "token_weight", "queue_weight"):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
+
+
+def check_door(config: RouterConfig) -> None:
+    """The front door's options (docs/security.md): what goes in pairs, and classes."""
+    for cert, key, what in (
+        ("tls_cert", "tls_key", "serving HTTPS"),
+        ("engine_cert", "engine_key", "a client certificate to the engines"),
+    ):
+        if (getattr(config, cert) is None) != (getattr(config, key) is None):
+            raise ConfigError(
+                f"{what} needs both --{cert.replace('_', '-')} and --{key.replace('_', '-')}"
+            )
+    classes = config.classes
+    if not classes or len(set(classes)) != len(classes) or not all(c.strip() for c in classes):
+        raise ConfigError(f"--classes must name distinct classes, highest first, got {classes!r}")
+    if config.jwt_issuer is None and (config.jwt_jwks or config.jwt_audience):
+        raise ConfigError("--jwt-jwks and --jwt-audience need --jwt-issuer")
+    if config.tracing and importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise ConfigError("--tracing needs OpenTelemetry's SDK: pip install 'dprouter[tracing]'")
 
 
 KUBERNETES = "k8s"

@@ -408,6 +408,81 @@ def make_config(
     ),
 )
 @option(
+    "--tenants",
+    type=click.Path(exists=True, dir_okay=False),
+    help=(
+        "A YAML file of tenants: their API keys, role (user or admin), priority class, "
+        "weight and limits (docs/security.md). Without it or --jwt-issuer the data plane is open."
+    ),
+)
+@option("--jwt-issuer", metavar="URL", help="Accept JWT bearer tokens of this issuer (iss).")
+@option(
+    "--jwt-jwks",
+    metavar="URL",
+    help="The issuer's keys (JWKS); unset: named by its /.well-known/openid-configuration.",
+)
+@option("--jwt-audience", help="The audience (aud) a JWT must name.")
+@option("--jwt-tenant-claim", help="The JWT claim naming the caller's tenant.")
+@option("--jwt-role-claim", help="The JWT claim whose value admin gives the admin role.")
+@option(
+    "--classes",
+    multiple=False,
+    callback=lambda _c, _p, v: tuple(v.split(",")) if isinstance(v, str) else v,
+    metavar="A,B,...",
+    help="Priority classes, highest first (a tenant's class, or X-Priority when it may set it).",
+)
+@option(
+    "--dispatch-queue",
+    type=click.IntRange(min=0),
+    help=(
+        "Requests held in the router at most (0: no bound); beyond it the lowest class is "
+        "shed first, with a 503."
+    ),
+)
+@option(
+    "--engine-queue",
+    type=click.IntRange(min=0),
+    help="Requests a rank may queue beyond its running slots before the router holds more.",
+)
+@option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Serve HTTPS: the certificate chain (PEM); reloaded on SIGHUP.",
+)
+@option(
+    "--tls-key",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Serve HTTPS: the private key (PEM).",
+)
+@option(
+    "--engine-ca",
+    type=click.Path(exists=True, dir_okay=False),
+    help="CA bundle the engines' certificates are checked against.",
+)
+@option(
+    "--engine-cert",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Client certificate (PEM) shown to engines that require one (mTLS).",
+)
+@option(
+    "--engine-key",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The client certificate's private key (PEM).",
+)
+@option(
+    "--engine-api-key",
+    envvar="DPROUTER_ENGINE_API_KEY",
+    help=(
+        "Sent to every engine as Authorization: Bearer (their --api-key); also read from "
+        "DPROUTER_ENGINE_API_KEY. A worker's own api_key wins."
+    ),
+)
+@option(
+    "--tracing",
+    is_flag=True,
+    help="Export OpenTelemetry traces over OTLP, as OTEL_EXPORTER_OTLP_ENDPOINT and friends say.",
+)
+@option(
     "--hold-wait",
     type=click.FloatRange(min=0),
     help=(

@@ -22,6 +22,22 @@ DispatchMode = Literal["auto", "off"]  # auto: hold where running caps are known
 SamplesMode = Literal["split", "together"]  # a request's n samples: routed one by one, or not
 # how a request's body is read: each endpoint names one (see server/endpoints.py)
 Kind = Literal["completion", "chat", "generate", "pooling", "tokenizer", "responses", "audio"]
+# what a caller may do: use the models (the data plane), or also run the router (the admin
+# API, RL and engine commands, the dashboard)
+Access = Literal["user", "admin"]
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request, as the front door knows them (``server/identity.py``)."""
+
+    tenant: str  # whose limits and fair share it counts against
+    access: Access
+    priority: int = 0  # its class, as an index into --classes (0: the highest)
+    weight: float = 1.0  # its tenant's share of its class when the fleet is full
+
+
+ANONYMOUS = Caller("anonymous", "user")  # no identity configured: everyone is this one
 
 
 @dataclass(slots=True)
@@ -40,3 +56,4 @@ class Incoming:
     exact: bool = False  # the request runs to its limit (ignore_eos, min = max tokens)
     group: int = 0  # which prompt (or X-DPRouter-Group) it samples: its lengths' history
     samples: int = 1  # n: sequences sampled from the one prompt (each a running slot)
+    caller: Caller = ANONYMOUS  # who sent it: its class and tenant order it when held
