@@ -23,6 +23,14 @@ predicted output (``output_budget.predict``)
 plus ``--dispatch-aging`` tokens per second waited, so nothing starves: requests that
 arrive together keep their order by length.
 
+Who goes first among the held, when a slot frees: the highest priority class (a
+request's caller's, ``server/door.py``); within a class the tenant served least for its
+weight (``Line``: weighted fair queuing); within a tenant the order above. With
+``--dispatch-queue`` the queue is bounded: a request arriving to a full queue sheds the
+newest held request of the lowest class below its own (a 503), or is shed itself.
+``--engine-queue`` lets each rank queue that many requests beyond its running slots
+before the router holds more (the engine's own queue, bounded).
+
 Under ``--processes`` every process keeps its own queue, and a slot is taken under
 the board lock after looking at the shared board: the caps hold exactly across
 processes. A process learns of a slot another process freed by looking again every
@@ -41,7 +49,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dprouter.core.types import DispatchMode, Incoming
+from dprouter.config import RouterConfig
+from dprouter.core.types import Caller, DispatchMode, Incoming
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.policies.base import readers
@@ -60,10 +69,28 @@ class DispatchOptions:
     slots: int = 0  # running slots per target; 0: as the engine reports
     wait: float = 600.0  # seconds a request may be held before a 503
     aging: float = 100.0  # tokens of priority a second of waiting is worth
+    queue: int = 0  # requests held at most (the lowest class is shed beyond); 0: no bound
+    engine_queue: int = 0  # requests a rank may queue beyond its running slots
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> DispatchOptions:
+        return cls(
+            config.dispatch,
+            config.dispatch_slots,
+            config.dispatch_wait,
+            config.dispatch_aging,
+            config.dispatch_queue,
+            config.engine_queue,
+        )
 
 
 class HeldTooLong(Exception):
     """No target of the request's pool freed a slot within ``--dispatch-wait``."""
+
+
+class Shed(HeldTooLong):
+    """The router's queue was full (``--dispatch-queue``) and this request's class the
+    lowest held: it made room for a higher one, or found none."""
 
 
 class Held:
@@ -85,6 +112,86 @@ class Held:
     def __lt__(self, other: Held) -> bool:
         return self.order < other.order
 
+    @property
+    def gone(self) -> bool:
+        """Left its queue (the client left, it timed out or was shed) or was handed a slot."""
+        return self.cancelled or self.done.done()
+
+
+class Line:
+    """One pool's held requests: the highest class first; within a class the tenant
+    served least for its weight (weighted fair queuing, counted in requests); within a
+    tenant the dispatcher's order. A tenant that was idle joins at its class's virtual
+    time, so a burst after a pause does not crowd the others out."""
+
+    def __init__(self) -> None:
+        self.classes: dict[int, dict[str, list[Held]]] = {}  # class -> tenant -> its heap
+        self.served: dict[int, dict[str, float]] = {}  # class -> tenant -> requests / weight
+        self.clock: dict[int, float] = {}  # class -> the virtual time of its last one out
+
+    def __bool__(self) -> bool:
+        return bool(self.classes)
+
+    def push(self, held: Held) -> None:
+        caller = held.incoming.caller
+        tenants = self.classes.setdefault(caller.priority, {})
+        heap = tenants.get(caller.tenant)
+        if heap is None:
+            heap = tenants[caller.tenant] = []
+            served = self.served.setdefault(caller.priority, {})
+            clock = self.clock.get(caller.priority, 0.0)
+            served[caller.tenant] = max(served.get(caller.tenant, 0.0), clock)
+        heapq.heappush(heap, held)
+
+    def first(self) -> Held | None:
+        """The next to get a slot (left in place: ``pop`` takes it once it has one)."""
+        for priority in sorted(self.classes):
+            tenants = self.classes[priority]
+            served = self.served[priority]
+            best: Held | None = None
+            least = 0.0
+            for tenant in list(tenants):
+                heap = tenants[tenant]
+                while heap and heap[0].gone:
+                    heapq.heappop(heap)
+                if not heap:
+                    del tenants[tenant]
+                    del served[tenant]
+                    continue
+                if best is None or served[tenant] < least:
+                    best, least = heap[0], served[tenant]
+            if best is not None:
+                return best
+            del self.classes[priority]
+        return None
+
+    def pop(self, held: Held) -> None:
+        """``held``, returned by ``first``, got its slot."""
+        caller = held.incoming.caller
+        heapq.heappop(self.classes[caller.priority][caller.tenant])
+        served = self.served[caller.priority]
+        self.clock[caller.priority] = served[caller.tenant]
+        served[caller.tenant] += 1.0 / caller.weight
+
+    def lowest(self) -> int:
+        """The lowest class with a request held here (-1: none)."""
+        return max(
+            (
+                c
+                for c, tenants in self.classes.items()
+                if any(not h.gone for q in tenants.values() for h in q)
+            ),
+            default=-1,
+        )
+
+    def last(self, priority: int) -> Held | None:
+        """The newest request held in class ``priority``: the first to shed."""
+        held = [h for q in self.classes.get(priority, {}).values() for h in q if not h.gone]
+        return max(held, key=lambda h: h.arrival, default=None)
+
+    def each(self) -> list[list[Held]]:
+        return [heap for tenants in self.classes.values() for heap in tenants.values()]
+
 
 class Dispatcher:
     def __init__(
@@ -93,12 +200,16 @@ class Dispatcher:
         output: OutputEstimate,
         lock: BoardLock | None = None,
         shown: Callable[[int], None] | None = None,
+        on_queued: Callable[[Caller, float], None] | None = None,
+        on_shed: Callable[[Caller, str], None] | None = None,
     ) -> None:
         self.options = options
         self.shown = shown  # told how many are held whenever it changes (a gauge)
+        self.on_queued = on_queued  # told how long a held request waited for its slot
+        self.on_shed = on_shed  # told of a held request answered 503, and why
         self.output = output
         self.lock = lock  # several serving processes: a slot is taken under it
-        self.queues: dict[Hashable, list[Held]] = {}  # by pool: a heap each
+        self.queues: dict[Hashable, Line] = {}  # by pool
         self.held = 0  # requests waiting now, in this process
         self._groups: Counter[int] = Counter()  # groups of the requests held
         self._seq = itertools.count()
@@ -126,7 +237,7 @@ class Dispatcher:
         caps = self.options.slots or board.cap[index]
         if not np.all(caps):
             return None
-        room = board.load[index] + np.minimum(samples, caps) <= caps
+        room = board.load[index] + np.minimum(samples, caps) <= caps + self.options.engine_queue
         if room.all():
             return candidates
         return [candidates[int(i)] for i in np.flatnonzero(room)]
@@ -158,14 +269,21 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         held = Held(incoming, candidates, pick, loop.time())
         self._order(held)
-        heapq.heappush(self.queues.setdefault(pool, []), held)
+        if self.options.queue and self.held >= self.options.queue:
+            self._shed(held)  # room made by shedding a lower class, or Shed raised
+        self.queues.setdefault(pool, Line()).push(held)
         self._count(1)
+        if not self._pumping:
+            self.pump()  # a slot may be free now: it goes to the first in line, maybe this one
         self._groups[incoming.group] += 1
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll(), name="dispatch")
         try:
             async with asyncio.timeout(self.options.wait):
-                return await asyncio.shield(held.done)
+                counted = await asyncio.shield(held.done)
+            if self.on_queued is not None:
+                self.on_queued(incoming.caller, loop.time() - held.arrival)
+            return counted
         except BaseException as exc:
             done = held.done
             held.cancelled = True  # dropped from its queue when it comes up
@@ -173,6 +291,8 @@ class Dispatcher:
                 done.result().__exit__()  # given a slot as it left: the slot goes on
                 self.freed()
             if isinstance(exc, TimeoutError):
+                if self.on_shed is not None:
+                    self.on_shed(incoming.caller, "held_too_long")
                 raise HeldTooLong(
                     f"no rank had a free running slot within {self.options.wait:g} s "
                     f"({self.held} requests held)"
@@ -183,6 +303,30 @@ class Dispatcher:
             self._groups[incoming.group] -= 1
             if not self._groups[incoming.group]:
                 del self._groups[incoming.group]
+
+    def _shed(self, newcomer: Held) -> None:
+        """The queue is full: the newest request of the lowest class held goes, with a 503,
+        if that class is below ``newcomer``'s; else ``newcomer`` does (``Shed``)."""
+        lines = [line for line in self.queues.values() if line]
+        lowest = max((line.lowest() for line in lines), default=-1)
+        mine = newcomer.incoming.caller.priority
+        victim = None
+        if lowest > mine:
+            found = [h for line in lines if (h := line.last(lowest)) is not None]
+            victim = max(found, key=lambda h: h.arrival, default=None)
+        reason = (
+            f"the router holds {self.held} requests, its bound (--dispatch-queue), while every "
+            "rank's running slots are taken"
+        )
+        if victim is None:
+            if self.on_shed is not None:
+                self.on_shed(newcomer.incoming.caller, "queue_full")
+            raise Shed(f"{reason}, and none of a lower class than this one; retry later")
+        if self.on_shed is not None:
+            self.on_shed(victim.incoming.caller, "shed")
+        victim.done.set_exception(
+            Shed(f"{reason}: this request of a lower class made room for a higher one")
+        )
 
     def _count(self, change: int) -> None:
         self.held += change
@@ -199,16 +343,17 @@ class Dispatcher:
         again (the first sample of a prompt to finish predicts its siblings)."""
         if group not in self._groups:
             return
-        for queue in self.queues.values():
-            changed = False
-            for held in queue:
-                incoming = held.incoming
-                if incoming.group == group and not incoming.exact and not held.cancelled:
-                    self.output.apply(incoming)
-                    self._order(held)
-                    changed = True
-            if changed:
-                heapq.heapify(queue)
+        for line in self.queues.values():
+            for queue in line.each():
+                changed = False
+                for held in queue:
+                    incoming = held.incoming
+                    if incoming.group == group and not incoming.exact and not held.cancelled:
+                        self.output.apply(incoming)
+                        self._order(held)
+                        changed = True
+                if changed:
+                    heapq.heapify(queue)
 
     def freed(self) -> None:
         """A request ended here: its slot may go to the first in line."""
@@ -220,18 +365,14 @@ class Dispatcher:
         self._pumping = True
         try:
             for pool in list(self.queues):
-                queue = self.queues[pool]
-                while queue:
-                    first = queue[0]
-                    if first.cancelled or first.done.done():
-                        heapq.heappop(queue)
-                        continue
+                line = self.queues[pool]
+                while (first := line.first()) is not None:
                     counted = self._take(first.candidates, first.pick, first.incoming.samples)
                     if counted is None:
                         break
-                    heapq.heappop(queue)
+                    line.pop(first)
                     first.done.set_result(counted)
-                if not queue:
+                if not line:
                     del self.queues[pool]
         finally:
             self._pumping = False
