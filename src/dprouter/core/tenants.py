@@ -34,6 +34,7 @@ from dprouter.core.errors import ConfigError
 from dprouter.core.types import Access, Caller
 
 ANONYMOUS = "anonymous"  # the tenant of every request when no identity is configured
+UNLISTED = 10_000  # tenants not listed kept made at once (each is the default, renamed)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Tenants:
         self.listed = dict(listed or {})
         self.default = default or Tenant(ANONYMOUS)
         self._keys = dict(keys or {})  # digest -> tenant name
+        self._unlisted: dict[str, Tenant] = {}  # the default, named: made once per name
 
     @property
     def keyed(self) -> bool:
@@ -90,8 +92,12 @@ class Tenants:
 
     def named(self, name: str) -> Tenant:
         """The tenant ``name``: as listed, else as the default says."""
-        tenant = self.listed.get(name)
-        return tenant if tenant is not None else replace(self.default, name=name)
+        tenant = self.listed.get(name) or self._unlisted.get(name)
+        if tenant is None:
+            if len(self._unlisted) >= UNLISTED:  # a JWT's tenants are many: keep the latest
+                self._unlisted.clear()
+            tenant = self._unlisted[name] = replace(self.default, name=name)
+        return tenant
 
     def by_key(self, key: str) -> Tenant | None:
         """The tenant whose API key ``key`` is; None: no tenant's."""

@@ -32,7 +32,11 @@ Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
 holding the lock, 0 if none;
 the routing keys ``manual`` moved off overloaded targets (one writer: the
 process that owns the key table); then ``MODELS`` pairs of cells for the typical
-output lengths (``output_budget``): a model's key, its typical length in thousandths.
+output lengths (``output_budget``): a model's key, its typical length in thousandths;
+then the tenants' limits (``proxy/limiter.py``): ``buckets[TENANTS][BUCKETS]`` (a
+tenant name's hash, 0: free; two token buckets, each a level and when it was last
+filled) and ``own_flights[rows][TENANTS]``, each process's requests in flight per
+tenant (a killed process's are released with its other rows).
 """
 
 from __future__ import annotations
@@ -64,8 +68,12 @@ ROWS = 10  # whole-router rows
 MODELS = 64  # models whose typical output length the board keeps (more: kept per process)
 
 
-def size_of(rows: int, slots: int = SLOTS) -> int:
-    return ((3 * rows + ROWS) * slots + 2 + 2 * MODELS) * 8
+TENANTS = 4096  # tenants with limits the board keeps at once (``proxy/limiter.py``)
+BUCKETS = 5  # a tenant's cells: its name's hash, then two token buckets (level, stamp)
+
+
+def size_of(rows: int, slots: int = SLOTS, tenants: int = TENANTS) -> int:
+    return ((3 * rows + ROWS) * slots + 2 + 2 * MODELS + (BUCKETS + rows) * tenants) * 8
 
 
 class Board:
@@ -76,10 +84,11 @@ class Board:
         slots: int = SLOTS,
         buffer: memoryview | bytearray | None = None,
         lock: Lock | None = None,
+        tenants: int = TENANTS,
     ) -> None:
         self.rows, self.row, self.slots = rows, row, slots
         self.lock = lock  # shared: every write takes it (the writer may hold it already)
-        size = size_of(rows, slots)
+        size = size_of(rows, slots, tenants)
         raw = memoryview(buffer if buffer is not None else bytearray(size))
         self._view = raw[:size]
         raw.release()
@@ -119,6 +128,11 @@ class Board:
         self.lock_cell = top + ROWS * slots
         self.moves_cell = self.lock_cell + 1
         self.models_base = self.moves_cell + 1  # MODELS x (key, typical x 1000)
+        # tenants with limits: per tenant its buckets, and per process its requests in flight
+        buckets = self.models_base + 2 * MODELS
+        self.buckets = whole[buckets : buckets + BUCKETS * tenants].reshape(tenants, BUCKETS)
+        flights = buckets + BUCKETS * tenants
+        self.own_flights = whole[flights : flights + rows * tenants].reshape(rows, tenants)
         # the rows policies read, one cell per slot (an itemgetter over slots reads many)
         self.load_cells = self.cells[self.load_base : self.load_base + slots]
         self.token_load_cells = self.cells[self.token_load_base : self.token_load_base + slots]
@@ -130,7 +144,7 @@ class Board:
         del self.whole, self.own_inflight, self.own_tokens, self.own_work, self.inflight
         del self.tokens
         del self.reported, self.load, self.base, self.reported_tokens, self.token_load
-        del self.token_base, self.work, self.cap
+        del self.token_base, self.work, self.cap, self.buckets, self.own_flights
         self.load_cells.release()
         self.token_load_cells.release()
         self.cells.release()
@@ -262,6 +276,7 @@ class Board:
         self.own_inflight[row, :] = 0
         self.own_tokens[row, :] = 0
         self.own_work[row, :] = 0
+        self.own_flights[row, :] = 0  # its tenants' requests in flight too
 
     # -- slots: handed out by the one process that owns membership ------------------
 

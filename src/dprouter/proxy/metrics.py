@@ -189,6 +189,34 @@ class RouterMetrics:
             registry=p,
             multiprocess_mode="livemax",
         )
+        # the front door, by tenant (a listed one's name, else "default") and class
+        self.admitted = Counter(
+            "dprouter_tenant_admitted",
+            "Requests the front door let in, by tenant and class.",
+            ["tenant", "class"],
+            registry=p,
+        )
+        self.limited = Counter(
+            "dprouter_tenant_limited",
+            "Requests refused with a 429 by a tenant's limit, by tenant and limit.",
+            ["tenant", "limit"],
+            registry=p,
+        )
+        self.shed = Counter(
+            "dprouter_tenant_shed",
+            "Held requests answered 503 (shed for a higher class, or held too long), by "
+            "tenant, class and why.",
+            ["tenant", "class", "why"],
+            registry=p,
+        )
+        self.queued = Histogram(
+            "dprouter_tenant_queued_seconds",
+            "Time requests were held in the router before a running slot freed, by tenant "
+            "and class.",
+            ["tenant", "class"],
+            buckets=LATENCY_BUCKETS,
+            registry=p,
+        )
         if shared_dir is None:
             p.register(self.live)
         self._series: dict[int, TargetSeries] = {}

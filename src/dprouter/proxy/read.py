@@ -17,6 +17,7 @@ from dprouter.core.errors import BadRequest, error
 from dprouter.core.headers import HOP_BY_HOP, JSON_TYPE, without
 from dprouter.core.types import Incoming, Kind
 from dprouter.engines import dialects
+from dprouter.proxy.limiter import ENTRY, Entry
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.parse import parse
 from dprouter.proxy.upload import Upload, read_upload
@@ -60,6 +61,13 @@ async def read_request(
         else:
             raw = await request.read()
             incoming = parse(raw, kind, request.headers)
+        entry: Entry | None = request.get(ENTRY)
+        if entry is not None:  # the front door let it in: its caller, and their tokens
+            incoming.caller = entry.caller
+            refusal = entry.charge(incoming.tokens)
+            if refusal is not None:
+                metrics.limited.labels(entry.label, refusal.limit).inc()
+                return refusal.answer()
         headers = forwarded(request, config)
         if not form:
             headers.update(JSON_TYPE)  # read as JSON, so sent as JSON, rewritten or not

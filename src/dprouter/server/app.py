@@ -15,6 +15,7 @@ from aiohttp import web
 
 from dprouter.config import RouterConfig, sources, validate
 from dprouter.core.errors import ConfigError, TokenizerError, error
+from dprouter.core.tenants import Tenants
 from dprouter.core.types import Role
 from dprouter.engines.kvevents import prompt
 from dprouter.engines.kvevents.feed import Feed
@@ -31,6 +32,7 @@ from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy.abort import Aborter
 from dprouter.proxy.dispatch import Dispatcher, DispatchOptions
+from dprouter.proxy.limiter import Limiter
 from dprouter.proxy.metrics import RouterMetrics
 from dprouter.proxy.output_budget import OutputEstimate
 from dprouter.proxy.parts import ProxyParts
@@ -43,6 +45,7 @@ from dprouter.proxy.routing_keys import Places, claims
 from dprouter.proxy.upstream import Upstream, upstream_session
 from dprouter.server.admin import Admin
 from dprouter.server.admission import Admission, AdmissionOptions
+from dprouter.server.door import Door
 from dprouter.server.engine_routes import EngineRoutes
 from dprouter.server.parts import PARTS, Control, Parts
 from dprouter.server.routes import Routes
@@ -71,16 +74,18 @@ def build_app(
         registry = Registry(dp_aware=config.dp_aware != "off")
         for spec in config.workers:
             registry.add(worker_from_spec(spec, registry))
+    metrics = RouterMetrics(registry, metrics_dir)
     parts = Parts(
         config=config,
         registry=registry,
         policy=policy or make_policy(config.policy_name, config.policy_options()),
         monitor=monitor or Monitor(registry, config.monitor_options()),
-        metrics=RouterMetrics(registry, metrics_dir),
+        metrics=metrics,
         breakers=Breakers(registry, config.breaker_options()),
         admission=Admission(
             AdmissionOptions(config.max_concurrent, config.queue_size, config.queue_timeout)
         ),
+        door=door(config, registry, metrics),
         control=control,
         lock=lock,
     )
@@ -110,6 +115,14 @@ def build_app(
         app.add_routes(dashboard.routes())
         app.cleanup_ctx.append(dashboard.lifecycle)
     return app
+
+
+def door(config: RouterConfig, registry: Registry, metrics: RouterMetrics) -> Door:
+    """The front door: the tenants of ``--tenants`` (none: everyone is anonymous), their
+    limits kept on the board (shared by every serving process)."""
+    classes = config.classes
+    tenants = Tenants.load(config.tenants, classes) if config.tenants else Tenants()
+    return Door(tenants, Limiter(registry.board), metrics, classes)
 
 
 def reads_prefixes(config: RouterConfig, policy: Policy) -> bool:
@@ -199,12 +212,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         output,
         Aborter(session),
         Dispatcher(
-            DispatchOptions(
-                config.dispatch, config.dispatch_slots, config.dispatch_wait, config.dispatch_aging
-            ),
+            DispatchOptions.of(config),
             output,
             parts.lock,
             parts.metrics.held.set,
+            parts.door.queued,
+            parts.door.shed,
         ),
     )
     parts.rankless = Rankless(proxy_parts)

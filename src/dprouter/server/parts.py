@@ -29,6 +29,7 @@ from dprouter.proxy.response_ids import ResponseIds
 from dprouter.proxy.responses import Responses
 from dprouter.proxy.routing_keys import Places
 from dprouter.server.admission import Admission
+from dprouter.server.door import Door
 from dprouter.server.drain import Drain
 from dprouter.server.loop_lag import LoopLag
 
@@ -75,6 +76,7 @@ class Parts:
     metrics: RouterMetrics
     admission: Admission
     breakers: Breakers
+    door: Door  # who sent each request, their limits and class
     drain: Drain = field(default_factory=Drain)  # requests in flight, for a graceful stop
     response_ids: ResponseIds = field(default_factory=ResponseIds)  # which target made each
     # the request path's flows, made at start-up with the upstream session: generation...

@@ -1,6 +1,7 @@
 """The router's own routes, as methods of one small class with a literal route table, and
 what every routed request passes first (``guarded``): the drain (a stopping router
-refuses) and admission (a router at capacity answers 429), held until its last byte."""
+refuses), the front door (who sent it, their tenant's limits: ``door``) and admission (a
+router at capacity answers 429), held until its last byte."""
 
 from __future__ import annotations
 
@@ -29,18 +30,24 @@ async def guarded(parts: Parts, request: web.Request, call: Call | Kind) -> web.
         return closing(error(503, "the router is stopping; retry", headers=STOPPING))
     task = p.drain.enter()
     try:
-        refused = await p.admission.enter()
-        if refused is not None:
-            p.metrics.rejected.labels("overloaded").inc()
-            message = f"the router is at capacity ({refused}); retry later"
-            return error(429, message, headers={"Retry-After": "1"})
-        try:  # a stream holds its slot until its last byte
-            if isinstance(call, str):
-                assert p.proxy is not None
-                return await p.proxy.handle(request, call)
-            return await call()
+        entry = await p.door.enter(request)
+        if isinstance(entry, web.Response):
+            return entry
+        try:
+            refused = await p.admission.enter()
+            if refused is not None:
+                p.metrics.rejected.labels("overloaded").inc()
+                message = f"the router is at capacity ({refused}); retry later"
+                return error(429, message, headers={"Retry-After": "1"})
+            try:  # a stream holds its slot until its last byte
+                if isinstance(call, str):
+                    assert p.proxy is not None
+                    return await p.proxy.handle(request, call)
+                return await call()
+            finally:
+                p.admission.leave()
         finally:
-            p.admission.leave()
+            p.door.leave(entry)  # its tenant's place in flight
     except asyncio.CancelledError as exc:
         if not grace_over(exc):
             raise  # the client left
