@@ -106,6 +106,8 @@ class RouterConfig:
     dispatch_queue: int = 0
     # requests a rank may queue beyond its running slots before the router holds new ones
     engine_queue: int = 0
+    # running slots per rank only the highest class may take: it finds one free at once
+    reserve: int = 0
     # HTTPS: the router's certificate chain and key (PEM), reloaded on SIGHUP
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -289,6 +291,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         "dispatch_aging",
         "dispatch_queue",
         "engine_queue",
+        "reserve",
     ):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")

@@ -445,6 +445,14 @@ def make_config(
     help="Requests a rank may queue beyond its running slots before the router holds more.",
 )
 @option(
+    "--reserve",
+    type=click.IntRange(min=0),
+    help=(
+        "Running slots per rank only the highest class may take while the others are held "
+        "(its requests then start at once under overload)."
+    ),
+)
+@option(
     "--tls-cert",
     type=click.Path(exists=True, dir_okay=False),
     help="Serve HTTPS: the certificate chain (PEM); reloaded on SIGHUP.",

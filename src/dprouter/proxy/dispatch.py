@@ -29,7 +29,10 @@ weight (``Line``: weighted fair queuing); within a tenant the order above. With
 ``--dispatch-queue`` the queue is bounded: a request arriving to a full queue sheds the
 newest held request of the lowest class below its own (a 503), or is shed itself.
 ``--engine-queue`` lets each rank queue that many requests beyond its running slots
-before the router holds more (the engine's own queue, bounded).
+before the router holds more (the engine's own queue, bounded); ``--reserve`` keeps that
+many running slots of each rank for the highest class, so that its requests find one
+free at once while the others are held (their time to first token stays near an idle
+fleet's).
 
 Under ``--processes`` every process keeps its own queue, and a slot is taken under
 the board lock after looking at the shared board: the caps hold exactly across
@@ -71,6 +74,7 @@ class DispatchOptions:
     aging: float = 100.0  # tokens of priority a second of waiting is worth
     queue: int = 0  # requests held at most (the lowest class is shed beyond); 0: no bound
     engine_queue: int = 0  # requests a rank may queue beyond its running slots
+    reserve: int = 0  # running slots per rank only the highest class may take
 
     @classmethod
     def of(cls, config: RouterConfig) -> DispatchOptions:
@@ -81,6 +85,7 @@ class DispatchOptions:
             config.dispatch_aging,
             config.dispatch_queue,
             config.engine_queue,
+            config.reserve,
         )
 
 
@@ -227,27 +232,34 @@ class Dispatcher:
 
     # -- which targets have a free slot ----------------------------------------------
 
-    def free(self, candidates: Sequence[Target], samples: int = 1) -> Sequence[Target] | None:
+    def free(
+        self, candidates: Sequence[Target], samples: int = 1, priority: int = 0
+    ) -> Sequence[Target] | None:
         """The candidates with a running slot free for each of ``samples`` sequences (at
-        most a whole cap's: more than a rank runs at once wait in its engine), by the
-        board (the engines' reports and what the router sent since); None: not
-        dispatching for them (a target's cap is unknown)."""
+        most a whole cap's: more than a rank runs at once wait in its engine) to a request
+        of class ``priority``, by the board (the engines' reports and what the router sent
+        since); None: not dispatching for them (a target's cap is unknown)."""
         reader = self.readers.of(candidates)
         board, index = reader.board, reader.index
         caps = self.options.slots or board.cap[index]
         if not np.all(caps):
             return None
-        room = board.load[index] + np.minimum(samples, caps) <= caps + self.options.engine_queue
+        bound = caps + self.options.engine_queue
+        if priority:  # the highest class's reserve is not for the others
+            bound = bound - self.options.reserve
+        room = board.load[index] + np.minimum(samples, caps) <= bound
         if room.all():
             return candidates
         return [candidates[int(i)] for i in np.flatnonzero(room)]
 
-    def _take(self, candidates: Sequence[Target], pick: Pick, samples: int) -> Outstanding | None:
-        """A free target's slots for ``samples`` sequences, counted at once (under the lock:
-        exact across processes), or None while no target has them."""
+    def _take(
+        self, candidates: Sequence[Target], pick: Pick, incoming: Incoming
+    ) -> Outstanding | None:
+        """A free target's slots for ``incoming``'s samples, counted at once (under the
+        lock: exact across processes), or None while no target has them."""
         step: AbstractContextManager[object] = self.lock if self.lock is not None else nullcontext()
         with step:
-            free = self.free(candidates, samples)
+            free = self.free(candidates, incoming.samples, incoming.caller.priority)
             if free is not None and not free:
                 return None
             return pick(candidates if free is None else free).claim()
@@ -261,7 +273,7 @@ class Dispatcher:
         free and nobody waits before it, else when one frees and its turn comes."""
         queue = self.queues.get(pool)
         if not queue or incoming.key is not None:
-            counted = self._take(candidates, pick, incoming.samples)
+            counted = self._take(candidates, pick, incoming)
             if counted is not None:
                 return counted
             if incoming.key is not None:  # a session keeps its target: the engine queues it
@@ -367,7 +379,7 @@ class Dispatcher:
             for pool in list(self.queues):
                 line = self.queues[pool]
                 while (first := line.first()) is not None:
-                    counted = self._take(first.candidates, first.pick, first.incoming.samples)
+                    counted = self._take(first.candidates, first.pick, first.incoming)
                     if counted is None:
                         break
                     line.pop(first)
