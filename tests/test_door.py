@@ -1,0 +1,311 @@
+"""The front door's limits and classes: tenants held to their rates and requests in
+flight (exactly, under ``--processes 2`` too), and requests held in the router by class
+when every rank's running slots are taken, the lowest shed first.
+
+With no keys configured every request is the default tenant's (``anonymous``); a default
+that may set its class takes ``X-Priority``. The simulated SGLang engines report their
+running caps, so the dispatcher holds what they cannot run; what they received shows
+what the router let through."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from dprouter.config import RouterConfig
+from dprouter.multiproc.supervisor import Supervisor
+from dprouter.sim.model.config import CostModel, EngineConfig, RankLimits
+from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
+
+SGLANG = EngineConfig(
+    persona="sglang",
+    dp_size=2,
+    dp_attention=True,
+    limits=RankLimits(max_running=2),
+    time_scale=0.3,
+)
+
+
+def tenants_file(tmp_path: Path, default: dict[str, Any], **tenants: dict[str, Any]) -> str:
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump({"default": default, "tenants": tenants}))
+    return str(path)
+
+
+def body(text: str, tokens: int = 8, stream: bool = False) -> dict[str, Any]:
+    return {"prompt": text, "max_tokens": tokens, "ignore_eos": True, "stream": stream}
+
+
+async def status(
+    http: aiohttp.ClientSession, url: str, sent: dict[str, Any], **headers: str
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    async with http.post(url + "/v1/completions", json=sent, headers=headers) as r:
+        answer = await r.json(content_type=None) if not sent.get("stream") else {}
+        if sent.get("stream"):
+            await r.read()
+        return r.status, answer, dict(r.headers)
+
+
+async def test_a_tenants_request_rate_is_held_with_a_429_naming_the_limit(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(time_scale=0.1)])).servers
+    # 0.01 a second, a bucket of 300 s of it: 3 requests, then none for ~100 s
+    limits = {"requests_per_second": 0.01, "burst": 300}
+    config = RouterConfig(
+        workers=workers(engine.url), tenants=tenants_file(tmp_path, {"limits": limits})
+    )
+    router = await start_router(config)
+    answers = [await status(http, router.url, body(f"r{i}")) for i in range(5)]
+    assert [a[0] for a in answers] == [200, 200, 200, 429, 429]
+    _, error, headers = answers[3]
+    assert error["error"]["param"] == "requests_per_second"
+    assert "anonymous" in error["error"]["message"] and "0.01" in error["error"]["message"]
+    assert 90 <= int(headers["Retry-After"]) <= 101  # a request's worth of the rate
+    assert len(engine.received) == 3  # the refused never reached the engine
+    limited = await metric_sum(http, router.url, "dprouter_tenant_limited_total")
+    assert limited == 2
+    assert await metric_sum(http, router.url, "dprouter_tenant_admitted_total") == 3
+
+
+async def test_a_tenants_tokens_count_prompt_and_output_budget(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(time_scale=0.1)])).servers
+    limits = {"tokens_per_second": 0.01, "burst": 100_000}  # a bucket of 1,000 tokens
+    config = RouterConfig(
+        workers=workers(engine.url), tenants=tenants_file(tmp_path, {"limits": limits})
+    )
+    router = await start_router(config)
+    first = await status(http, router.url, body("one", 400))
+    second = await status(http, router.url, body("two", 400))
+    third = await status(http, router.url, body("three", 400))  # ~200 tokens left
+    assert (first[0], second[0], third[0]) == (200, 200, 429)
+    assert third[1]["error"]["param"] == "tokens_per_second"
+    assert "prompt + max_tokens" in third[1]["error"]["message"]
+    assert len(engine.received) == 2
+
+
+async def test_a_tenants_requests_in_flight_are_capped_until_one_ends(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(time_scale=0.3)])).servers
+    config = RouterConfig(
+        workers=workers(engine.url),
+        tenants=tenants_file(tmp_path, {"limits": {"in_flight": 1}}),
+    )
+    router = await start_router(config)
+    async with http.post(router.url + "/v1/completions", json=body("long", 60, True)) as r:
+        assert r.status == 200
+        await r.content.readline()  # under way
+        refused = await status(http, router.url, body("while"))
+        assert refused[0] == 429 and refused[1]["error"]["param"] == "in_flight"
+        await r.read()  # its last byte: its place in flight is given back
+    assert (await status(http, router.url, body("after")))[0] == 200
+
+
+@pytest.fixture
+async def start_processes() -> AsyncIterator[Callable[[RouterConfig], Coroutine[Any, Any, Any]]]:
+    started: list[Supervisor] = []
+
+    async def start(config: RouterConfig) -> Supervisor:
+        sup = Supervisor(replace(config, port=0, processes=2, grace=2.0))
+        started.append(sup)
+        await sup.start()
+        assert await sup.settled(10), "discovery did not settle"
+        return sup
+
+    yield start
+    for sup in started:
+        if not sup.stopping:
+            await sup.stop()
+
+
+async def fresh_post(url: str, sent: dict[str, Any]) -> int:
+    """One request on a connection of its own, so either serving process may take it."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector) as s,
+        s.post(url + "/v1/completions", json=sent) as r,
+    ):
+        await r.read()
+        return r.status
+
+
+async def test_limits_hold_exactly_across_two_serving_processes(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_processes: Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]],
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2, time_scale=0.1)])).servers
+    limits = {"requests_per_second": 0.01, "burst": 1000}  # 10 requests in all
+    config = RouterConfig(
+        workers=workers(engine.url), tenants=tenants_file(tmp_path, {"limits": limits})
+    )
+    sup = await start_processes(config)
+    statuses = await asyncio.gather(*(fresh_post(sup.url, body(f"p{i}")) for i in range(30)))
+    assert sorted(statuses) == [200] * 10 + [429] * 20
+    assert len(engine.received) == 10
+
+
+async def test_requests_in_flight_hold_exactly_across_two_serving_processes(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_processes: Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]],
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2, time_scale=1.0)])).servers
+    config = RouterConfig(
+        workers=workers(engine.url),
+        tenants=tenants_file(tmp_path, {"limits": {"in_flight": 3}}),
+    )
+    sup = await start_processes(config)
+    # each runs ~0.5 s: all 12 arrive while the first 3 run
+    statuses = await asyncio.gather(*(fresh_post(sup.url, body(f"f{i}", 60)) for i in range(12)))
+    assert sorted(statuses) == [200] * 3 + [429] * 9
+    assert len(engine.received) == 3
+
+
+async def test_held_requests_go_by_class_and_a_full_queue_sheds_the_lowest(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    """4 running slots (2 ranks x 2): 4 low requests run, 4 more are held (the bound). Two
+    high ones arrive: each sheds the newest low held (503) and goes before the others; a
+    low one arriving to the full queue is shed itself. None of the rest is lost."""
+    (engine,) = (await start_cluster([SGLANG])).servers
+    config = RouterConfig(
+        workers=workers(engine.url),
+        tenants=tenants_file(tmp_path, {"set_class": True}),
+        dispatch_queue=4,
+    )
+    router = await start_router(config)
+    low = [
+        asyncio.create_task(status(http, router.url, body(f"low{i}", 40), **{"X-Priority": "low"}))
+        for i in range(8)
+    ]
+    assert await until(lambda: len(engine.received) == 4 and held(router) == 4)
+    high = [
+        asyncio.create_task(status(http, router.url, body(f"high{i}", 4), **{"X-Priority": "high"}))
+        for i in range(2)
+    ]
+    assert await until(lambda: held(router) == 4)  # 2 lows shed, 2 highs held
+    late = await status(http, router.url, body("late", 4), **{"X-Priority": "low"})
+    assert late[0] == 503 and "none of a lower class" in late[1]["error"]["message"]
+    lows = await asyncio.gather(*low)
+    highs = await asyncio.gather(*high)
+    assert [h[0] for h in highs] == [200, 200]
+    assert sorted(s for s, _, _ in lows) == [200] * 6 + [503] * 2
+    shed = [i for i, (s, _, _) in enumerate(lows) if s == 503]
+    assert shed == [6, 7]  # the newest lows made room
+    assert all("made room for a higher one" in lows[i][1]["error"]["message"] for i in shed)
+    prompts = [r.body["prompt"] for r in engine.received]
+    assert prompts[4:6] == ["high0", "high1"]  # the highs went before the held lows
+    assert sorted(prompts) == sorted(["high0", "high1"] + [f"low{i}" for i in range(6)])
+    assert await metric_sum(http, router.url, "dprouter_tenant_shed_total", why="shed") == 2
+    assert await metric_sum(http, router.url, "dprouter_tenant_shed_total", why="queue_full") == 1
+
+
+def held(router: Any) -> int:
+    return int(router.parts.proxy.parts.dispatch.held)
+
+
+async def test_an_unknown_class_is_a_400_and_a_tenant_that_may_not_choose_keeps_its_own(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    (engine,) = (await start_cluster([EngineConfig(time_scale=0.1)])).servers
+    choosing = await start_router(
+        RouterConfig(
+            workers=workers(engine.url), tenants=tenants_file(tmp_path, {"set_class": True})
+        )
+    )
+    bad = await status(http, choosing.url, body("x"), **{"X-Priority": "urgent"})
+    assert bad[0] == 400 and "high, normal, low" in bad[1]["error"]["message"]
+    fixed = await start_router(RouterConfig(workers=workers(engine.url)))
+    assert (await status(http, fixed.url, body("x"), **{"X-Priority": "urgent"}))[0] == 200
+
+
+async def test_under_overload_the_high_class_starts_as_fast_as_on_an_idle_fleet(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Low requests offered at twice what the fleet runs; a high stream's p99 time to first
+    token stays within 1.5x of the same stream's on the idle fleet (a running slot of each
+    rank is kept for it: ``--reserve``), the low class is shed with 503s, and every
+    request the router let in is answered."""
+    # a high request's prompt takes 40 ms to prefill, a decode step ~5 ms
+    cost = CostModel(step_base=0.005, prefill_per_token=2e-4)
+    slow = replace(SGLANG, limits=RankLimits(max_running=3), time_scale=1.0, cost=cost)
+    (engine,) = (await start_cluster([slow])).servers
+    config = RouterConfig(
+        workers=workers(engine.url),
+        tenants=tenants_file(tmp_path, {"set_class": True}),
+        reserve=1,
+        dispatch_queue=6,
+    )
+    router = await start_router(config)
+
+    async def first_token(text: str) -> float:
+        started = time.perf_counter()
+        sent = body(f"{text} " + " ".join(f"{text}w{j}" for j in range(200)), 4, stream=True)
+        headers = {"X-Priority": "high"}
+        async with http.post(router.url + "/v1/completions", json=sent, headers=headers) as r:
+            assert r.status == 200
+            await r.content.readline()
+            waited = time.perf_counter() - started
+            await r.read()
+        return waited
+
+    async def stream() -> list[float]:
+        waits = []
+        for i in range(15):
+            waits.append(await first_token(f"high{i}"))
+            await asyncio.sleep(0.1)
+        return waits
+
+    idle = await stream()
+    lows: list[int] = []
+
+    async def flood() -> None:
+        # 2 ranks x 2 slots for lows, 80 tokens x ~5.3 ms each: ~9 a second run; 20 offered
+        async def one(i: int) -> None:
+            answer = await status(http, router.url, body(f"low{i}", 80), **{"X-Priority": "low"})
+            lows.append(answer[0])
+
+        tasks = []
+        for i in range(80):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks)
+
+    flooding = asyncio.create_task(flood())
+    await asyncio.sleep(0.5)  # the flood fills the fleet first
+    loaded = await stream()
+    await flooding
+    assert max(loaded) <= 1.5 * max(idle), (sorted(idle), sorted(loaded))
+    assert set(lows) <= {200, 503} and lows.count(503) > 0, lows
+    received = [r.body["prompt"] for r in engine.received]
+    assert sum(p.startswith("low") for p in received) == lows.count(200)  # none lost
