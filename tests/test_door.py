@@ -21,7 +21,9 @@ import pytest
 import yaml
 
 from dprouter.config import RouterConfig
+from dprouter.core.types import Caller, Incoming
 from dprouter.multiproc.supervisor import Supervisor
+from dprouter.proxy.dispatch import Held, Line
 from dprouter.sim.model.config import CostModel, EngineConfig, RankLimits
 from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
 
@@ -309,3 +311,31 @@ async def test_under_overload_the_high_class_starts_as_fast_as_on_an_idle_fleet(
     assert set(lows) <= {200, 503} and lows.count(503) > 0, lows
     received = [r.body["prompt"] for r in engine.received]
     assert sum(p.startswith("low") for p in received) == lows.count(200)  # none lost
+
+
+async def test_within_a_class_tenants_share_the_freed_slots_by_weight() -> None:
+    """The held queue's order: the highest class first; within it, tenant B of weight 3
+    gets three slots for each of tenant A's (weight 1), however they arrived; within a
+    tenant, the dispatcher's own order (its longest predicted output first)."""
+    line = Line()
+
+    def held(tenant: str, weight: float, priority: int, output: int, at: float) -> Held:
+        caller = Caller(tenant, "user", priority, weight)
+        incoming = Incoming({}, None, False, None, "", output, output, caller=caller)
+        one = Held(incoming, [], lambda _: None, at)  # type: ignore[arg-type, return-value]
+        one.order = (-output, int(at))
+        return one
+
+    for i in range(8):  # A's arrive first, all of them
+        line.push(held("A", 1.0, 1, 10 + i, float(i)))
+    for i in range(8):
+        line.push(held("B", 3.0, 1, 10 + i, float(8 + i)))
+    line.push(held("C", 1.0, 0, 1, 99.0))  # a higher class, last to arrive
+    order = []
+    while (first := line.first()) is not None:
+        line.pop(first)
+        order.append((first.incoming.caller.tenant, first.incoming.output))
+    assert order[0] == ("C", 1)
+    tenants = "".join(t for t, _ in order[1:])
+    assert tenants[:8].count("B") == 6 and tenants[:8].count("A") == 2, tenants
+    assert [o for t, o in order if t == "A"] == sorted(range(10, 18), reverse=True)
