@@ -34,6 +34,7 @@ class Door:
         self.classes = classes
         self.identify = identify  # None: no identity configured, everyone is anonymous
         self.anonymous = tenants.named(ANONYMOUS)
+        self.everyone = self.anonymous.caller()
         self._admitted: dict[tuple[str, int], object] = {}  # (tenant, class) -> its counter
 
     async def enter(self, request: web.Request) -> Entry | web.Response:
@@ -45,12 +46,15 @@ class Door:
             if isinstance(identified, web.Response):
                 return identified
             tenant, access = self.tenants.named(identified.tenant), identified.access
-        asked = self.asked(request, tenant)
-        if isinstance(asked, web.Response):
-            return asked
-        caller = tenant.caller(asked)
-        if caller.access != access:  # a JWT's role claim decides it, not the tenant's entry
-            caller = Caller(caller.tenant, access, caller.priority, caller.weight)
+        if tenant is self.anonymous and not tenant.set_class:
+            caller = self.everyone  # nothing configured: the one caller, made once
+        else:
+            asked = self.asked(request, tenant)
+            if isinstance(asked, web.Response):
+                return asked
+            caller = tenant.caller(asked)
+            if caller.access != access:  # a JWT's role claim decides, not the tenant's entry
+                caller = Caller(caller.tenant, access, caller.priority, caller.weight)
         refusal = self.limiter.enter(tenant)
         if refusal is not None:
             self.metrics.limited.labels(self.label(tenant), refusal.limit).inc()
