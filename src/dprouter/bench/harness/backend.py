@@ -2,7 +2,8 @@
 
 It answers at once: a small JSON completion, or 16 SSE chunks then ``[DONE]``;
 ``/metrics`` shows one vLLM ``engine`` label (so routers discover one rank)
-and ``/server_info`` is absent, as on vLLM.
+and ``/server_info`` is absent, as on vLLM. ``/v1/traces`` takes OTLP/HTTP traces and
+drops them.
 
     python -m dprouter.bench.harness.backend --port 0    # prints "ready URL" once it listens
 """
@@ -69,6 +70,13 @@ async def ok(_: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+async def traces(request: web.Request) -> web.Response:
+    """An OTLP/HTTP receiver that keeps nothing: where a router's traces go when their
+    cost is measured (``bench overhead``)."""
+    await request.read()
+    return web.Response(body=b"", content_type="application/x-protobuf")
+
+
 async def models(_: web.Request) -> web.Response:
     return web.json_response(
         {
@@ -86,6 +94,7 @@ def app() -> web.Application:
             web.get("/metrics", metrics),
             web.get("/health", ok),
             web.get("/v1/models", models),
+            web.post("/v1/traces", traces),
         ]
     )
     return a

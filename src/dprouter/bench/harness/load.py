@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -37,6 +38,7 @@ async def closed_loop(
     stream: bool = False,
     requests: int | None = None,
     model: str = "bench",
+    headers: Mapping[str, str] | None = None,
 ) -> Outcome:
     out = Outcome()
     body = {"model": model, "prompt": "measure me", "max_tokens": 16, "stream": stream}
@@ -49,7 +51,7 @@ async def closed_loop(
             left -= 1
             t0 = time.perf_counter()
             try:
-                async with session.post(url + "/v1/completions", json=body) as r:
+                async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
                     raw = await r.read()
                     if r.status != 200:
                         out.errors[f"http_{r.status}"] += 1

@@ -15,8 +15,11 @@ import asyncio
 import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+
+import yaml
 
 from dprouter.bench.harness import peer_routers
 from dprouter.bench.harness.load import Outcome, closed_loop
@@ -41,6 +44,28 @@ DISPATCH = {
     "dprouter, dispatch on": ("--dispatch-slots", "100000"),
     "dprouter, dispatch holding": ("--dispatch-slots", "16"),
 }
+# the front door on: an API key checked and a tenant's three limits kept per request
+# (never reached); tracing: every request's spans made and exported (to the backend,
+# which drops them). Off, as in "dprouter", the door costs what the tests of
+# bench overhead's checks say.
+KEY = "bench-key"
+TENANTS = {
+    "tenants": {
+        "bench": {
+            "keys": [KEY],
+            "limits": {
+                "requests_per_second": 1e7,
+                "tokens_per_second": 1e10,
+                "in_flight": 1_000_000,
+            },
+        }
+    }
+}
+DOOR = {
+    "dprouter, key and limits": ("--tenants",),
+    "dprouter, tracing": ("--tracing",),
+}
+HEADERS = {"dprouter, key and limits": {"Authorization": f"Bearer {KEY}"}}
 BARE_SCRIPT = Path(__file__).parents[1] / "harness" / "bare.py"
 ROUNDS = 4  # interleaved rounds per full run: the machine's noise falls on every router alike
 
@@ -71,19 +96,21 @@ async def start_router(
         return await peer_routers.start_on_free_port(
             lambda port: Proc(command(port, backend), cpus=ROUTER_CORE)
         )
-    if kind not in (*DISPATCH, BARE):
+    if kind not in (*DISPATCH, *DOOR, BARE):
         return await peer_routers.start_on_free_port(
             lambda port: peer_routers.router(kind, [backend], port, cpus=ROUTER_CORE)
         )
-    if kind in DISPATCH:
-        argv = [
-            *DPROUTER,
-            "serve",
-            "--worker",
-            f"{backend},dialect=vllm,dp_size=1",
-            *DISPATCH[kind],
-        ]
-        proc = Proc([*argv, "--port", "0", "--load-interval", "0"], cpus=ROUTER_CORE)
+    if kind in DISPATCH or kind in DOOR:
+        options = list(DISPATCH.get(kind, ()))
+        env: dict[str, str] = {}
+        if kind in DOOR:
+            options = [*DOOR[kind]]
+            if "--tenants" in options:
+                options.append(str(tenants_file()))
+            if "--tracing" in options:
+                env["OTEL_EXPORTER_OTLP_ENDPOINT"] = backend
+        argv = [*DPROUTER, "serve", "--worker", f"{backend},dialect=vllm,dp_size=1", *options]
+        proc = Proc([*argv, "--port", "0", "--load-interval", "0"], cpus=ROUTER_CORE, env=env)
         url = url_in(await proc.start(r"dprouter on http://"))
     else:  # a file, not -m dprouter...: the floor imports aiohttp alone, not the package
         argv = [sys.executable, str(BARE_SCRIPT), "--port", "0", "--upstream", backend]
@@ -91,6 +118,13 @@ async def start_router(
         url = url_in(await proc.start("ready"))
     await peer_routers.until_serving(url, proc=proc)
     return proc, url
+
+
+def tenants_file() -> Path:
+    """The tenants of "dprouter, key and limits", in a file of their own."""
+    path = Path(tempfile.mkdtemp(prefix="dprouter-overhead-")) / "tenants.yaml"
+    path.write_text(yaml.safe_dump(TENANTS))
+    return path
 
 
 async def measure(
@@ -113,13 +147,15 @@ async def measure(
         for kind in kinds:
             routers[kind] = await start_router(kind, backend_url, commands)
         with pinned(CLIENT_CORE):
-            for _, url in routers.values():
-                await closed_loop(url, 16, min(seconds, 2.0))  # warm up
+            for kind, (_, url) in routers.items():
+                headers = HEADERS.get(kind)
+                await closed_loop(url, 16, min(seconds, 2.0), headers=headers)  # warm up
             for _ in range(rounds):
                 for kind, (proc, url) in routers.items():
+                    headers = HEADERS.get(kind)
                     for name, conns, stream in LOADS:
                         cpu0 = cpu_seconds(proc.pid) if proc else 0.0
-                        o = await closed_loop(url, conns, seconds / rounds, stream)
+                        o = await closed_loop(url, conns, seconds / rounds, stream, headers=headers)
                         used = (cpu_seconds(proc.pid) - cpu0) if proc else 0.0
                         cpu[kind, name] += used
                         merge(pooled[kind, name], o)
@@ -135,6 +171,13 @@ async def measure(
             if proc is not None:
                 await proc.stop()
         await backend.stop()
+
+
+def added(
+    on: Mapping[str, Mapping[str, float]], off: Mapping[str, Mapping[str, float]], load: str
+) -> float:
+    """CPU per request ``on`` adds to ``off`` under ``load``, in ms."""
+    return on[load]["cpu_ms_per_req"] - off[load]["cpu_ms_per_req"]
 
 
 def merge(into: Outcome, o: Outcome) -> None:
@@ -161,7 +204,7 @@ def summary(o: Outcome, cpu: float) -> dict[str, float]:
 def run(quick: bool, out: Path) -> Result:
     from dprouter.bench.scenarios import cores  # it imports this module's helpers
 
-    kinds = ["direct", *DISPATCH, BARE, *peer_routers.available()]
+    kinds = ["direct", *DISPATCH, *DOOR, BARE, *peer_routers.available()]
     found = asyncio.run(measure(kinds, 1.0 if quick else 12.0, 1 if quick else ROUNDS))
     every = asyncio.run(cores.measure(2.0 if quick else 12.0, 1 if quick else ROUNDS))
     rows: list[list[Cell]] = []
@@ -213,6 +256,11 @@ def run(quick: bool, out: Path) -> Result:
         checks[f"the dispatcher's look per request <= 0.02 ms of CPU ({name}: {cost:.3f} ms)"] = (
             cost <= 0.02
         )
+    door = "; ".join(  # what each costs when on: reported (the table), not bounded
+        f"{kind.removeprefix('dprouter, ')} {added(found[kind], ours, LOADS[0][0]):+.3f} ms "
+        f"(a stream {added(found[kind], ours, LOADS[2][0]):+.3f} ms)"
+        for kind in DOOR
+    )
     plain_cpu = ours[LOADS[0][0]]["cpu_ms_per_req"]
     bare_cpu = found[BARE][LOADS[0][0]]["cpu_ms_per_req"]
     for name in (LOADS[0][0], LOADS[2][0]):  # the issue's aim: per plain request, per stream
@@ -260,7 +308,8 @@ def run(quick: bool, out: Path) -> Result:
                 "gateway's"
             )
             + f"; a bare aiohttp proxy spends {bare_cpu:.2f} ms, so dprouter's own logic "
-            f"costs {plain_cpu - bare_cpu:.2f} ms and the rest is the aiohttp stack."
+            f"costs {plain_cpu - bare_cpu:.2f} ms and the rest is the aiohttp stack. "
+            f"The front door, on, adds per plain request: {door}."
         ),
         checks=checks,
         plots=["overhead.png"],
