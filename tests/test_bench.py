@@ -159,3 +159,23 @@ def test_grpo_groups_hit_the_cache_at_round_robins_latency() -> None:
 def test_a_plain_burst_through_dprouter_loses_nothing() -> None:
     found = asyncio.run(burst.plain("dprouter", 512))
     assert found["ok"] == 512 and found["lost"] == found["resets"] == 0
+
+
+@pytest.mark.slow
+def test_overload_accounts_for_every_request_and_sheds_the_low_class_first(
+    tmp_path: Path,
+) -> None:
+    from dprouter.bench.scenarios import overload
+
+    rows = [r.name for r in overload.ROWS if r.kind == "dprouter"]
+    table = overload.run(True, tmp_path, size="tiny", rows=rows).tables[0]
+    shed: dict[tuple[str, str], int] = {}
+    for row in table.rows:
+        cell = dict(zip(table.columns, row, strict=True))
+        count = {c: int(str(cell[c])) for c in ("offered", "completed", "errors")}
+        lost = sum(int(str(cell[c])) for c in ("shed 429", "shed 503", "shed 408"))
+        assert count["offered"] > 0 and count["errors"] == 0, row
+        assert count["completed"] + lost + count["errors"] == count["offered"], row
+        shed[str(cell["router"]), str(cell["class (tenant)"]).split()[0]] = lost
+    classes = overload.ROWS[0].name  # the tenants' classes in effect
+    assert shed[classes, "high"] == 0 or shed[classes, "high"] < shed[classes, "low"]

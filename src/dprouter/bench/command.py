@@ -32,6 +32,7 @@ SCENARIOS = {
     "crosscheck": "crosscheck",
     "replicas": "replicas",
     "weight-updates": "weight_updates",
+    "overload": "overload",
 }
 LONG = {"soak": "soak"}  # minutes by design: not part of "all"
 # studies of what lies beneath dprouter (its HTTP stacks, the offline simulator's own
