@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import aiohttp
 
 from dprouter.core.errors import Contradiction, DiscoveryError
+from dprouter.core.tls import EngineAccess
 from dprouter.fleet import engine_load, probe
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
+from dprouter.fleet.worker_spec import keys
 
 log = logging.getLogger("dprouter.monitor")
 
@@ -34,9 +36,16 @@ class MonitorOptions:
 
 
 class Monitor:
-    def __init__(self, registry: Registry, options: MonitorOptions | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        options: MonitorOptions | None = None,
+        access: EngineAccess | None = None,
+    ) -> None:
         self.registry = registry
         self.options = options or MonitorOptions()
+        # discovery, health checks and load scrapes carry the engines' TLS context and keys
+        self.access = access or EngineAccess()
         self._session: aiohttp.ClientSession | None = None
         self._discovering: dict[str, asyncio.Task[None]] = {}
         self._scraper: asyncio.Task[None] | None = None
@@ -48,7 +57,8 @@ class Monitor:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             timeout = aiohttp.ClientTimeout(total=self.options.timeout)
-            self._session = aiohttp.ClientSession(timeout=timeout)
+            key_of = keys(self.registry.workers.values, self.access)
+            self._session = self.access.session(key_of, timeout=timeout)
         return self._session
 
     async def start(self) -> None:

@@ -4,14 +4,20 @@ the same way wherever it comes from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from yarl import URL
 
 from dprouter.core.errors import ConfigError
+from dprouter.core.tls import EngineAccess, KeyOf
 from dprouter.core.types import ROLES, DialectName, Role
+
+if TYPE_CHECKING:
+    from dprouter.fleet.targets import Worker
 
 
 def normalise_url(raw: str) -> str:
@@ -49,7 +55,15 @@ class WorkerSpec:
     # the engine's KV block size in tokens (vLLM --block-size, SGLang --page-size): known
     # before the first event, so the blocks a router sends count as pending from the start
     kv_block_size: int | None = None
+    # the engine's --api-key, sent as Authorization: Bearer (wins over --engine-api-key),
+    # or the environment variable holding it (read once, when the worker is checked);
+    # never shown: not in repr, logs or error messages
+    api_key: str | None = field(default=None, repr=False)
+    api_key_env: str | None = None
 
+
+# fields whose values are secrets: an error names them, never what they hold
+SECRET_SUFFIXES = ("api_key", "token")
 
 SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
@@ -72,7 +86,9 @@ def check_types(obj: object, where: str) -> None:
         wanted = tuple(t for k in kinds for t in SIMPLE_TYPES[k])
         bool_slipped = isinstance(value, bool) and bool not in wanted  # True is an int too
         if bool_slipped or not isinstance(value, wanted):
-            raise ConfigError(f"{where}{f.name} must be {' or '.join(kinds)}, got {value!r}")
+            secret = f.name.endswith(SECRET_SUFFIXES)
+            shown = f"a {type(value).__name__}" if secret else repr(value)
+            raise ConfigError(f"{where}{f.name} must be {' or '.join(kinds)}, got {shown}")
 
 
 def check_worker(spec: WorkerSpec) -> WorkerSpec:
@@ -92,7 +108,43 @@ def check_worker(spec: WorkerSpec) -> WorkerSpec:
     if spec.rank_offset is not None and spec.rank_offset < 0:
         raise ConfigError(f"worker {url}: rank_offset must be at least 0")
     check_kv_events(spec, url)
-    return replace(spec, url=url)
+    return replace(check_key(spec, url), url=url)
+
+
+def check_key(spec: WorkerSpec, url: str) -> WorkerSpec:
+    """``api_key_env`` read into ``api_key`` (once: the spec then holds the key alone, so
+    checking it again finds nothing to read); a missing variable fails here, loudly."""
+    if spec.api_key == "":
+        raise ConfigError(f"worker {url}: api_key is empty")
+    if spec.api_key_env is None:
+        return spec
+    if spec.api_key is not None:
+        raise ConfigError(f"worker {url}: give api_key or api_key_env, not both")
+    value = os.environ.get(spec.api_key_env)
+    if not value:
+        raise ConfigError(
+            f"worker {url}: api_key_env names {spec.api_key_env}, which is not set (or empty)"
+        )
+    return replace(spec, api_key=value, api_key_env=None)
+
+
+def own_key(worker: Worker) -> str | None:
+    """``worker``'s own key, if it has one (``Worker.api_key``, from its spec)."""
+    key: str | None = getattr(worker, "api_key", None)
+    return key
+
+
+def keys(workers: Callable[[], Iterable[Worker]], access: EngineAccess) -> KeyOf:
+    """The key each worker's origin gets: its own, else the router's; None for an
+    origin that is no worker's (a redirect elsewhere takes no key with it)."""
+
+    def key_of(origin: str) -> str | None:
+        for worker in workers():
+            if worker.url == origin:
+                return own_key(worker) or access.api_key
+        return None
+
+    return key_of
 
 
 def check_kv_events(spec: WorkerSpec, url: str) -> None:

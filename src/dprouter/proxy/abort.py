@@ -15,8 +15,11 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
+from aiohttp import hdrs
 
+from dprouter.core.tls import EngineAccess
 from dprouter.fleet.targets import Worker
+from dprouter.fleet.worker_spec import own_key
 
 log = logging.getLogger("dprouter.cancel")
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5)
@@ -32,8 +35,9 @@ def ensure_rid(body: dict[str, Any]) -> tuple[str, bool]:
 
 
 class Aborter:
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self.session = session
+    def __init__(self, session: aiohttp.ClientSession, access: EngineAccess | None = None) -> None:
+        self.session = session  # the attempts' own: its TLS context
+        self.access = access or EngineAccess()  # ...and the key the engine wants
         self._pending: set[asyncio.Task[None]] = set()  # held so they are not collected
 
     def on_cancel(self, worker: Worker, rid: str | None) -> _Watch:
@@ -46,8 +50,12 @@ class Aborter:
 
     async def _post(self, worker: Worker, rid: str) -> None:
         url = worker.url + "/abort_request"
+        key = self.access.authorization(own_key(worker))
+        headers = {hdrs.AUTHORIZATION: key} if key is not None else None
         try:
-            async with self.session.post(url, json={"rid": rid}, timeout=ABORT_TIMEOUT) as r:
+            async with self.session.post(
+                url, json={"rid": rid}, headers=headers, timeout=ABORT_TIMEOUT
+            ) as r:
                 await r.read()
         except (aiohttp.ClientError, TimeoutError) as exc:  # it may be gone altogether
             log.debug("abort of %s on %s failed: %s", rid, worker.id, exc)

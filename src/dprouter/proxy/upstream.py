@@ -13,8 +13,10 @@ from multidict import CIMultiDict
 
 from dprouter.config import RouterConfig
 from dprouter.core.errors import Failed
+from dprouter.core.tls import EngineAccess
 from dprouter.core.types import Side
 from dprouter.fleet.targets import Target
+from dprouter.fleet.worker_spec import own_key
 from dprouter.proxy.upload import Upload
 
 NO_TIMER = contextlib.nullcontext()
@@ -31,12 +33,19 @@ class UpstreamRequest(aiohttp.ClientRequest):
     DEFAULT_HEADERS = {hdrs.ACCEPT: "*/*"}  # noqa: RUF012 (aiohttp's own attribute)
 
 
-def upstream_session(config: RouterConfig) -> aiohttp.ClientSession:
+def upstream_session(
+    config: RouterConfig, access: EngineAccess | None = None
+) -> aiohttp.ClientSession:
+    """The session every attempt goes over; ``https://`` workers with ``access``'s TLS
+    context (None: made from ``config``'s ``--engine-ca/--engine-cert/--engine-key``)."""
+    if access is None:
+        access = EngineAccess.load(config.engine_ca, config.engine_cert, config.engine_key)
     # a burst queues for an upstream connection rather than exhausting file descriptors
     connector = aiohttp.TCPConnector(
         limit=config.upstream_connections,
         limit_per_host=config.upstream_per_worker,
         keepalive_timeout=config.upstream_keepalive,
+        ssl=access.connector_ssl,
     )
     timeout = aiohttp.ClientTimeout(
         total=config.total_timeout or None,
@@ -55,12 +64,18 @@ def upstream_session(config: RouterConfig) -> aiohttp.ClientSession:
 
 
 class Upstream:
-    """Posts attempts over the shared session, each with its first-byte timer."""
+    """Posts attempts over the shared session, each with its first-byte timer and the
+    key of the worker it goes to."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, connect_timeout: float, first_byte_timeout: float
+        self,
+        session: aiohttp.ClientSession,
+        connect_timeout: float,
+        first_byte_timeout: float,
+        access: EngineAccess | None = None,
     ) -> None:
         self.session = session
+        self.access = access or EngineAccess()
         self.connect_timeout = connect_timeout
         fb = first_byte_timeout  # the answer must start in time; off: no timer per request
         self.first_byte_timeout = fb
@@ -77,6 +92,12 @@ class Upstream:
     ) -> aiohttp.ClientResponse:
         """Send one attempt; what went wrong before an answer raises ``Failed``."""
         url = target.worker.url + path
+        key = self.access.authorization(own_key(target.worker))
+        if key is not None:
+            # the engine's key in place of whatever the client sent; on a copy, as the
+            # headers go again to the next target on a retry, which may have another key
+            headers = headers.copy()
+            headers[hdrs.AUTHORIZATION] = key
         # a large body held whole is written a piece at a time (as aiohttp asks), from a
         # fresh reader per attempt; an upload is its own reader
         body = io.BytesIO(data) if isinstance(data, bytes) and len(data) > LARGE else data

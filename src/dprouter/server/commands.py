@@ -28,11 +28,13 @@ import orjson
 from aiohttp import web
 
 from dprouter.core.errors import error, error_body
+from dprouter.core.tls import EngineAccess
 from dprouter.core.types import DialectName
 from dprouter.fleet import probe
 from dprouter.fleet.membership.labels import matches, parse_selector
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
+from dprouter.fleet.worker_spec import keys
 from dprouter.proxy.rankless import ask
 
 # what a command does to the router's view of a worker, once its engine said yes
@@ -347,8 +349,9 @@ class Commands:
     """The commands' handlers. Each call goes to the engine with its own session, so a
     weight update is never queued behind generation's connections."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, access: EngineAccess | None = None) -> None:
         self.registry = registry
+        self.access = access or EngineAccess()  # the engines' TLS context and keys
         self.standing: dict[str, Standing] = {}  # by worker id
         self.updates: dict[str, Update] = {}  # in flight, by worker id
         self._session: aiohttp.ClientSession | None = None
@@ -374,7 +377,8 @@ class Commands:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(auto_decompress=False)
+            key_of = keys(self.registry.workers.values, self.access)
+            self._session = self.access.session(key_of, auto_decompress=False)
         return self._session
 
     async def run(self, command: Command, request: web.Request, smg: bool = False) -> web.Response:

@@ -21,11 +21,13 @@ import logging
 import aiohttp
 import zmq.asyncio
 
+from dprouter.core.tls import EngineAccess
 from dprouter.engines.kvevents import sources
 from dprouter.engines.kvevents.index import KvIndex
 from dprouter.engines.kvevents.subscriber import RankStream
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
+from dprouter.fleet.worker_spec import keys
 
 log = logging.getLogger("dprouter.kvevents")
 RETRY = 2.0  # seconds between asks of an engine that did not answer
@@ -40,9 +42,11 @@ class Feed:
         probe: float = 10.0,
         retry: float = RETRY,
         quiet: float = QUIET,
+        access: EngineAccess | None = None,
     ) -> None:
         self.registry = registry
         self.index = index
+        self.access = access or EngineAccess()  # the lookups carry the engines' TLS and keys
         self.probe, self.retry, self.quiet = probe, retry, quiet
         self.ctx = zmq.asyncio.Context()
         self.streams: dict[tuple[str, int], tuple[RankStream, asyncio.Task[None]]] = {}
@@ -54,7 +58,9 @@ class Feed:
         self._due = False
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        timeout = aiohttp.ClientTimeout(total=5)
+        key_of = keys(self.registry.workers.values, self.access)
+        self._session = self.access.session(key_of, timeout=timeout)
         self.registry.listeners.append(self.changed)
         self.changed()
 
@@ -152,7 +158,9 @@ class Feed:
             except sources.NoEvents as exc:
                 reason = str(exc)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                reason, wait = f"asking where it publishes: {exc!r}", self.retry
+                # str, not repr: an aiohttp error's repr holds the request's headers (the key)
+                what = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                reason, wait = f"asking where it publishes: {what}", self.retry
             if reason != said:
                 said = reason
                 log.warning(
