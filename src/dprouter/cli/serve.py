@@ -549,9 +549,12 @@ async def run(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    router: Router | Supervisor = Router(config)
-    if config.process_count > 1:
-        router = Supervisor(config)
+    # one or the other: a Router made and dropped would load the TLS pair (and more) twice
+    router: Router | Supervisor = Supervisor(config) if config.process_count > 1 else Router(config)
+    if config.tls_cert is not None:
+        # SIGHUP reloads the certificate and key (renewed on disk) without a restart; under
+        # --processes the supervisor forwards it to every serving process
+        loop.add_signal_handler(signal.SIGHUP, router.reload_tls)
     try:
         await router.start()
     except OSError as exc:

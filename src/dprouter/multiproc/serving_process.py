@@ -49,6 +49,9 @@ def main(seat: Seat) -> None:
 
     values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the parent decides
+    # the parent forwards SIGHUP (a TLS reload): one before the handler is in must not kill
+    # this process, and the certificate it then loads is the new one anyway
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # the parent made it and unlinks it; a spawned process shares the parent's resource
     # tracker, which unlinks nothing while the parent lives
     memory = SharedMemory(seat.board)
@@ -75,6 +78,8 @@ async def serve(seat: Seat, memory: SharedMemory) -> Board:
         lock=board.lock,
     )
     router = Router.of(app)
+    if router.tls is not None:  # each process serves with its own context: each reloads it
+        loop.add_signal_handler(signal.SIGHUP, router.reload_tls)
     try:
         await router.start()
         gc_tuning.tune()

@@ -8,6 +8,8 @@ listens on the port with SO_REUSEPORT, so the kernel spreads connections over
 them. A serving process that dies is replaced; what it had in flight is
 released from the board first, so no count leaks. SIGTERM reaches every
 serving process, each drains with the one grace, and the parent exits last.
+SIGHUP (``reload_tls``) is forwarded likewise: each serving process reloads its own
+TLS context, once the parent has seen the new pair load.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from multiprocessing.shared_memory import SharedMemory
 from prometheus_client.multiprocess import mark_process_dead
 
 from dprouter.config import RouterConfig, validate
+from dprouter.core.errors import ConfigError
 from dprouter.core.net import bind, url_of
 from dprouter.core.service import Service
+from dprouter.core.tls import EngineAccess, https, server_context
 from dprouter.fleet.board import Board, size_of
 from dprouter.fleet.board_lock import BoardLock, hand_back
 from dprouter.fleet.breakers import Breakers
@@ -51,6 +55,14 @@ class Supervisor(Service):
         from dprouter.multiproc.control import ControlPlane
 
         self.config = config = validate(config)
+        # the pair is checked here, once: a bad file fails the start, not every process (and
+        # before the shared memory exists, which nothing would unlink)
+        self.tls = config.tls_cert is not None and config.tls_key is not None
+        if config.tls_cert is not None and config.tls_key is not None:
+            server_context(config.tls_cert, config.tls_key)
+        access = EngineAccess.load(
+            config.engine_ca, config.engine_cert, config.engine_key, config.engine_api_key
+        )
         self.rows = config.process_count
         self._memory = SharedMemory(create=True, size=size_of(self.rows))
         self.board = Board(rows=self.rows, buffer=self._memory.buf)
@@ -59,7 +71,7 @@ class Supervisor(Service):
         self.registry = Registry(dp_aware=config.dp_aware != "off", board=self.board)
         for spec in config.workers:
             self.registry.add(worker_from_spec(spec, self.registry))
-        self.monitor = Monitor(self.registry, config.monitor_options())
+        self.monitor = Monitor(self.registry, config.monitor_options(), access)
         self.breakers = Breakers(self.registry, config.breaker_options())
         self.control = ControlPlane(config, self.registry, self.monitor, self.breakers)
         self._dir = tempfile.mkdtemp(prefix="dprouter-")
@@ -76,7 +88,24 @@ class Supervisor(Service):
 
     @property
     def url(self) -> str:
-        return url_of(self.config.host, self.port)
+        return https(url_of(self.config.host, self.port), self.tls)
+
+    def reload_tls(self) -> bool:
+        """SIGHUP to every serving process, if the new pair loads (else logged, and each
+        keeps the pair it has). True when forwarded."""
+        cert, key = self.config.tls_cert, self.config.tls_key
+        if cert is None or key is None:
+            log.warning("TLS reload asked for, but the router serves plain HTTP")
+            return False
+        try:
+            server_context(cert, key)
+        except ConfigError as exc:
+            log.error("TLS reload failed, the certificate in use stays: %s", exc)
+            return False
+        for child in self.children.values():
+            if child.is_alive() and child.pid is not None:
+                os.kill(child.pid, signal.SIGHUP)
+        return True
 
     async def start(self) -> None:
         """Returns once every serving process listens."""

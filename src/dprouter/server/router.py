@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 
 from aiohttp import web
 
@@ -11,6 +12,7 @@ from dprouter.config import RouterConfig
 from dprouter.core.log_filter import quiet_malformed
 from dprouter.core.net import bind, check_backlog, url_of
 from dprouter.core.service import Service
+from dprouter.core.tls import https, reload, server_context
 from dprouter.fleet.membership import settled
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry
@@ -42,10 +44,24 @@ class Router(Service):
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
         self._fd = -1  # the listening socket's
+        # HTTPS: one context for the router's life, its certificate reloaded in place
+        self.tls: ssl.SSLContext | None = None
+        if self.config.tls_cert is not None and self.config.tls_key is not None:
+            self.tls = server_context(self.config.tls_cert, self.config.tls_key)
 
     @property
     def url(self) -> str:
-        return url_of(self.config.host, self.port)
+        return https(url_of(self.config.host, self.port), self.tls is not None)
+
+    def reload_tls(self) -> bool:
+        """Load the certificate and key again (SIGHUP): new handshakes get the new pair,
+        open connections keep theirs; a pair that does not load is logged and the old one
+        stays (False)."""
+        cert, key = self.config.tls_cert, self.config.tls_key
+        if self.tls is None or cert is None or key is None:
+            log.warning("TLS reload asked for, but the router serves plain HTTP")
+            return False
+        return reload(self.tls, cert, key)
 
     @property
     def registry(self) -> Registry:
@@ -72,7 +88,7 @@ class Router(Service):
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
         await self._runner.setup()
-        self._site = web.SockSite(self._runner, sock)
+        self._site = web.SockSite(self._runner, sock, ssl_context=self.tls)
         await self._site.start()
 
     async def stop(self) -> None:
