@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import signal
+import ssl
 import sys
 from collections.abc import Collection
 from dataclasses import replace
@@ -16,6 +17,8 @@ import aiohttp
 import click
 from click.core import ParameterSource
 
+from dprouter.core.errors import ConfigError
+from dprouter.core.tls import server_context
 from dprouter.core.types import PD_MODES
 from dprouter.sim.calibrate import Calibration
 from dprouter.sim.http.cluster import SimCluster
@@ -218,11 +221,47 @@ def build(
     show_default=True,
     help="First engine's port; engine i listens on PORT+i (0: any free port).",
 )
+@click.option(
+    "--api-key",
+    envvar="DPROUTER_SIM_API_KEY",
+    default=None,
+    help="Answer 401 without Authorization: Bearer KEY where the persona's engine does "
+    "(vLLM: /v1 and its other API prefixes; SGLang: all but /health, /ready, /metrics).",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Serve HTTPS: the certificate chain (PEM).",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Serve HTTPS: the private key (PEM).",
+)
+@click.option(
+    "--tls-client-ca",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="With --tls-cert: require a client certificate signed by this CA (mTLS).",
+)
 @click.pass_context
-def sim(ctx: click.Context, /, host: str, port: int, **options: Any) -> None:
+def sim(
+    ctx: click.Context,
+    /,
+    host: str,
+    port: int,
+    api_key: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_client_ca: str | None,
+    **options: Any,
+) -> None:
     """Start N simulated engines with DP ranks and serve until interrupted."""
     if ctx.invoked_subcommand is not None:
         return
+    tls = tls_context(tls_cert, tls_key, tls_client_ca)
     try:
         path = options.pop("persona_file")
         base = persona_file.load(path) if path else None
@@ -230,10 +269,30 @@ def sim(ctx: click.Context, /, host: str, port: int, **options: Any) -> None:
         configs = build(options, base, given)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    asyncio.run(serve_cluster(configs, host, port))
+    asyncio.run(serve_cluster(configs, host, port, api_key or None, tls))
 
 
-async def serve_cluster(configs: list[EngineConfig], host: str, port: int) -> None:
+def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
+    """The engines' HTTPS context, or a usage error naming what is missing or unreadable."""
+    if (cert is None) != (key is None):
+        raise click.UsageError("serving HTTPS needs both --tls-cert and --tls-key")
+    if cert is None or key is None:
+        if client_ca is not None:
+            raise click.UsageError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    try:
+        return server_context(cert, key, client_ca)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+async def serve_cluster(
+    configs: list[EngineConfig],
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -241,7 +300,7 @@ async def serve_cluster(configs: list[EngineConfig], host: str, port: int) -> No
     c = configs[0]
     prefix = c.persona if c.pd is None else f"{c.pd.role}"
     try:
-        cluster = SimCluster(configs, host, port, prefix=prefix)
+        cluster = SimCluster(configs, host, port, prefix=prefix, api_key=api_key, tls=tls)
         await cluster.start()
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None

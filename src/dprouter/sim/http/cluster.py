@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -20,7 +21,9 @@ class SimCluster(Service):
     """``async with SimCluster(configs) as cluster:`` starts every engine on loopback.
 
     With ``base_port`` 0 each engine binds a free port (``cluster.urls`` has the
-    real ones); otherwise engine i listens on ``base_port + i``.
+    real ones); otherwise engine i listens on ``base_port + i``. ``api_key``: each
+    answers 401 without it, as the engines' ``--api-key``; ``tls``: each serves HTTPS
+    with that context (one that requires a client certificate, if it does).
     """
 
     def __init__(
@@ -29,9 +32,18 @@ class SimCluster(Service):
         host: str = "127.0.0.1",
         base_port: int = 0,
         prefix: str = "engine",
+        api_key: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.servers = [
-            SimServer(c, f"{prefix}-{i}", host, base_port + i if base_port else 0)
+            SimServer(
+                c,
+                f"{prefix}-{i}",
+                host,
+                base_port + i if base_port else 0,
+                api_key=api_key,
+                tls=tls,
+            )
             for i, c in enumerate(configs)
         ]
 

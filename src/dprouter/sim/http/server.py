@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
+import secrets
+import ssl
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +17,7 @@ from multidict import CIMultiDict
 
 from dprouter.core.log_filter import quiet_malformed
 from dprouter.core.net import bind, url_of
+from dprouter.core.tls import https
 from dprouter.sim.http import endpoints
 from dprouter.sim.http.audio import Audio
 from dprouter.sim.http.endpoints import Handler
@@ -43,6 +47,18 @@ class Received:
     rank: int | None  # the rank that served it (None: rejected before placement)
 
 
+# ``--api-key`` guards what the real engines guard: vLLM the API's prefixes (its
+# /metrics, /health and /server_info stay open), SGLang every path but its probes'
+GUARDED = {"vllm": ("/v1", "/v2", "/inference", "/cohere")}
+OPEN = {"sglang": ("/health", "/ready", "/metrics")}
+
+
+def guarded(persona: str, path: str) -> bool:
+    if persona in GUARDED:
+        return path.startswith(GUARDED[persona])
+    return not path.startswith(OPEN.get(persona, ()))
+
+
 class SimServer:
     """A simulated engine: the model, its real-time runner and its HTTP face.
 
@@ -57,8 +73,14 @@ class SimServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_body: int = 64 << 20,
+        api_key: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.config = config
+        # as the engines' --api-key: a request without it answers 401 (``refused`` counts)
+        self._key = hashlib.sha256(api_key.encode()).digest() if api_key else None
+        self.refused: Counter[str] = Counter()  # "GET /v1/loads": refused for want of the key
+        self.tls = tls  # HTTPS (a client CA in it: a client certificate required)
         self.engine_id = engine_id
         self.host = host
         self.port = port
@@ -105,11 +127,12 @@ class SimServer:
 
     @property
     def url(self) -> str:
-        return url_of(self.host, self.port)
+        return https(url_of(self.host, self.port), self.tls is not None)
 
     def _make_app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.max_body, middlewares=[self._count, endpoints.not_found]
+            client_max_size=self.max_body,
+            middlewares=[self._count, self._guard, endpoints.not_found],
         )
         if self.persona.name == "vllm":
             self.registry = vllm_registry(self.engine)
@@ -127,6 +150,21 @@ class SimServer:
     async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         self.hits[f"{request.method} {request.path}"] += 1
         return await handler(request)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The engines' ``--api-key``: ``Authorization: Bearer KEY`` or 401, as they answer
+        it (compared by digest, in constant time, as vLLM does)."""
+        if self._key is None or request.method == "OPTIONS":
+            return await handler(request)
+        if not guarded(self.persona.name, request.path):
+            return await handler(request)
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        digest = hashlib.sha256(given.encode()).digest()
+        if scheme.lower() == "bearer" and secrets.compare_digest(digest, self._key):
+            return await handler(request)
+        self.refused[f"{request.method} {request.path}"] += 1
+        return web.json_response({"error": "Unauthorized"}, status=401)
 
     async def start(self) -> None:
         quiet_malformed()  # peers probe with HTTP/2 prior knowledge: one line, not a trace
@@ -148,7 +186,7 @@ class SimServer:
         await self._runner.setup()
         sock = bind(self.host, self.port)
         self.port = sock.getsockname()[1]
-        self._site = web.SockSite(self._runner, sock)
+        self._site = web.SockSite(self._runner, sock, ssl_context=self.tls)
         await self._site.start()
         self.started.set()
 
