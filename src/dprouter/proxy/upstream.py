@@ -15,7 +15,7 @@ from dprouter.config import RouterConfig
 from dprouter.core.errors import Failed
 from dprouter.core.tls import EngineAccess
 from dprouter.core.types import Side
-from dprouter.fleet.targets import Target
+from dprouter.fleet.targets import Target, Worker
 from dprouter.fleet.worker_spec import own_key
 from dprouter.proxy.upload import Upload
 
@@ -92,12 +92,7 @@ class Upstream:
     ) -> aiohttp.ClientResponse:
         """Send one attempt; what went wrong before an answer raises ``Failed``."""
         url = target.worker.url + path
-        key = self.access.authorization(own_key(target.worker))
-        if key is not None:
-            # the engine's key in place of whatever the client sent; on a copy, as the
-            # headers go again to the next target on a retry, which may have another key
-            headers = headers.copy()
-            headers[hdrs.AUTHORIZATION] = key
+        headers = self.keyed(target.worker, headers)
         # a large body held whole is written a piece at a time (as aiohttp asks), from a
         # fresh reader per attempt; an upload is its own reader
         body = io.BytesIO(data) if isinstance(data, bytes) and len(data) > LARGE else data
@@ -117,6 +112,16 @@ class Upstream:
         finally:
             if isinstance(data, Upload):
                 data.on_sent = None  # the answer came, or the attempt is over: no clock to start
+
+    def keyed(self, worker: Worker, headers: CIMultiDict[str]) -> CIMultiDict[str]:
+        """``headers`` with ``worker``'s key in place of whatever the client sent; a copy,
+        as they go again to the next target on a retry, which may have another key."""
+        key = self.access.authorization(own_key(worker))
+        if key is None:
+            return headers
+        headers = headers.copy()
+        headers[hdrs.AUTHORIZATION] = key
+        return headers
 
     def _first_byte(self, data: bytes | Upload) -> contextlib.AbstractAsyncContextManager[object]:
         """The first-byte timer. A streamed upload can take longer to send than any answer
