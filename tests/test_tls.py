@@ -24,7 +24,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from dprouter.config import RouterConfig
 from dprouter.core.errors import ConfigError
 from dprouter.core.tls import server_context
-from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import WorkerSpec, check_worker, parse_worker
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.sim.http.cluster import SimCluster
@@ -34,10 +33,6 @@ from tests.conftest import StartCluster, StartRouter, until, workers
 PROMPT = {"prompt": "over TLS", "max_tokens": 3}
 KEY = "sk-engine-3f9a1c"  # the engines' --api-key
 CLIENT_TOKEN = "client-token-77"  # what a client sends the router: never the engine's
-# the router wired to give every engine call its TLS context and keys (the report's
-# changes to app.py, admin.py, parts.py, targets.py, registry.py and control.py)
-WIRED = "api_key" in Worker.__dataclass_fields__
-wired = pytest.mark.skipif(not WIRED, reason="needs the engine-access wiring (see the report)")
 
 
 # -- certificates ------------------------------------------------------------------------
@@ -248,7 +243,6 @@ async def test_a_pair_that_does_not_load_fails_at_start(ca: Authority, tmp_path:
 # -- to the engines: mTLS ----------------------------------------------------------------
 
 
-@wired
 async def test_an_engine_requiring_a_client_certificate_gets_the_routers(
     ca: Authority, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
@@ -291,7 +285,6 @@ async def test_without_a_client_certificate_the_engine_is_not_ready_and_nothing_
 # -- to the engines: the API key ---------------------------------------------------------
 
 
-@wired
 async def test_the_key_goes_with_every_call_and_the_clients_own_does_not(
     start_router: StartRouter, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -321,7 +314,6 @@ async def test_the_key_goes_with_every_call_and_the_clients_own_does_not(
     assert not [r for r in caplog.records if KEY in r.getMessage()]
 
 
-@wired
 async def test_without_the_key_the_engine_never_becomes_ready(
     start_router: StartRouter, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -340,7 +332,6 @@ async def test_without_the_key_the_engine_never_becomes_ready(
     assert not [r for r in caplog.records if wrong in r.getMessage()]
 
 
-@wired
 async def test_a_workers_own_key_wins_from_the_command_line_and_the_admin_api(
     start_router: StartRouter, monkeypatch: pytest.MonkeyPatch
 ) -> None:

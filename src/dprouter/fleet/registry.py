@@ -235,4 +235,5 @@ def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
         kv_events=spec.kv_events,
         kv_replay=spec.kv_replay,
         kv_block_size=spec.kv_block_size,
+        api_key=spec.api_key,
     )

@@ -34,6 +34,7 @@ class Worker:
     kv_events: str | None = None  # KV-event publisher: tcp://HOST:PORT (rank r: PORT + r), auto
     kv_replay: str | None = None  # its replay socket, likewise
     kv_block_size: int | None = None  # the engine's block size, before its first event says
+    api_key: str | None = field(default=None, repr=False)  # its own; never shown
     # learnt by discovery
     ranks: int = 0  # DP ranks this endpoint takes (0: not discovered yet)
     dp_attention: bool = False

@@ -130,8 +130,7 @@ def check_key(spec: WorkerSpec, url: str) -> WorkerSpec:
 
 def own_key(worker: Worker) -> str | None:
     """``worker``'s own key, if it has one (``Worker.api_key``, from its spec)."""
-    key: str | None = getattr(worker, "api_key", None)
-    return key
+    return worker.api_key
 
 
 def keys(workers: Callable[[], Iterable[Worker]], access: EngineAccess) -> KeyOf:

@@ -63,6 +63,7 @@ WORKER_FIELDS = (
     "transfer_mode",
     "kv_events",
     "kv_replay",
+    "api_key",  # over the parent's Unix socket only
     "ranks",
     "dp_attention",
     "models",

@@ -134,8 +134,11 @@ class Rankless:
         self, worker: Worker, path: str, method: str, headers: CIMultiDict[str]
     ) -> dict[str, Any]:
         row: dict[str, Any] = {"worker": worker.id, "url": worker.url, "path": path}
-        session = self.parts.upstream.session
-        return await ask(session, method, worker.url + path, row, FAN_TIMEOUT, headers=headers)
+        upstream = self.parts.upstream
+        sent = upstream.keyed(worker, headers)  # the worker's key, not the client's
+        return await ask(
+            upstream.session, method, worker.url + path, row, FAN_TIMEOUT, headers=sent
+        )
 
 
 async def ask(

@@ -153,7 +153,7 @@ class Admin:
         self.registry = registry
         self.monitor = monitor
         self.relayed = relayed
-        self.commands = Commands(registry)
+        self.commands = Commands(registry, monitor.access)
         self.shared = next((s for s in sources if isinstance(s, EtcdMembership)), None)
         self.kubernetes = next((s for s in sources if isinstance(s, KubernetesMembership)), None)
 

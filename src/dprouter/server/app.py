@@ -16,6 +16,7 @@ from aiohttp import web
 from dprouter.config import RouterConfig, sources, validate
 from dprouter.core.errors import ConfigError, TokenizerError, error
 from dprouter.core.tenants import Tenants
+from dprouter.core.tls import EngineAccess
 from dprouter.core.types import Role
 from dprouter.engines.kvevents import prompt
 from dprouter.engines.kvevents.feed import Feed
@@ -70,6 +71,10 @@ def build_app(
     parent's control plane then runs discovery, breakers and admin, and ``monitor`` must
     be the one that follows it."""
     config = validate(config)
+    # one TLS context and key for every call to an engine, made once
+    access = EngineAccess.load(
+        config.engine_ca, config.engine_cert, config.engine_key, config.engine_api_key
+    )
     if registry is None:
         registry = Registry(dp_aware=config.dp_aware != "off")
         for spec in config.workers:
@@ -79,18 +84,19 @@ def build_app(
         config=config,
         registry=registry,
         policy=policy or make_policy(config.policy_name, config.policy_options()),
-        monitor=monitor or Monitor(registry, config.monitor_options()),
+        monitor=monitor or Monitor(registry, config.monitor_options(), access),
         metrics=metrics,
         breakers=Breakers(registry, config.breaker_options()),
         admission=Admission(
             AdmissionOptions(config.max_concurrent, config.queue_size, config.queue_timeout)
         ),
         door=door(config, registry, metrics),
+        access=access,
         control=control,
         lock=lock,
     )
     if reads_prefixes(config, parts.policy):
-        parts.lookup, parts.feed = prefix_parts(config, registry)
+        parts.lookup, parts.feed = prefix_parts(config, registry, access)
         parts.metrics.add(KvCollector(parts.feed))
     if control is None:
         parts.sources = sources(config, registry, parts.monitor)
@@ -134,7 +140,9 @@ def reads_prefixes(config: RouterConfig, policy: Policy) -> bool:
     return any(needs_tokens(make_policy(config.role_policy(s), options)) for s in SIDES)
 
 
-def prefix_parts(config: RouterConfig, registry: Registry) -> tuple[Lookup, Feed]:
+def prefix_parts(
+    config: RouterConfig, registry: Registry, access: EngineAccess
+) -> tuple[Lookup, Feed]:
     """The index, the engines' events that build it and the tokenizers that look prompts
     up in it; the tokenizer files are read now, at start-up."""
     index = KvIndex(config.kv_capacity)
@@ -144,7 +152,7 @@ def prefix_parts(config: RouterConfig, registry: Registry) -> tuple[Lookup, Feed
     except (TokenizerError, OSError, ValueError) as exc:
         pool.shutdown()
         raise ConfigError(f"cannot load a tokenizer: {exc}") from None
-    return Lookup(tokens, index, pool), Feed(registry, index)
+    return Lookup(tokens, index, pool), Feed(registry, index, access=access)
 
 
 def placer_for(parts: Parts, policy: Policy, role: Role) -> Places | None:
@@ -186,7 +194,7 @@ async def _last_resort(request: web.Request, handler: Handler) -> web.StreamResp
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     parts = app[PARTS]
     config = parts.config
-    session = upstream_session(config)
+    session = upstream_session(config, parts.access)
     if config.pd == "vllm-moriio" and parts.control is None:
         parts.registration = Registration(
             parts.registry, config.registration, config.heartbeat_timeout, parts.monitor.forget
@@ -200,7 +208,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         config,
         parts.registry,
         parts.metrics,
-        Upstream(session, config.connect_timeout, config.first_byte_timeout),
+        Upstream(session, config.connect_timeout, config.first_byte_timeout, parts.access),
         Retry(
             parts.breakers,
             parts.metrics,
@@ -210,7 +218,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             seed=config.seed,
         ),
         output,
-        Aborter(session),
+        Aborter(session, parts.access),
         Dispatcher(
             DispatchOptions.of(config),
             output,

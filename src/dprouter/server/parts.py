@@ -9,6 +9,7 @@ from typing import Protocol
 from aiohttp import web
 
 from dprouter.config import RouterConfig
+from dprouter.core.tls import EngineAccess
 from dprouter.core.types import Role
 from dprouter.engines.kvevents.feed import Feed
 from dprouter.engines.kvevents.lookup import Lookup
@@ -77,6 +78,7 @@ class Parts:
     admission: Admission
     breakers: Breakers
     door: Door  # who sent each request, their limits and class
+    access: EngineAccess = field(default_factory=EngineAccess)  # engines' TLS and keys
     drain: Drain = field(default_factory=Drain)  # requests in flight, for a graceful stop
     response_ids: ResponseIds = field(default_factory=ResponseIds)  # which target made each
     # the request path's flows, made at start-up with the upstream session: generation...
