@@ -339,3 +339,14 @@ async def test_within_a_class_tenants_share_the_freed_slots_by_weight() -> None:
     tenants = "".join(t for t, _ in order[1:])
     assert tenants[:8].count("B") == 6 and tenants[:8].count("A") == 2, tenants
     assert [o for t, o in order if t == "A"] == sorted(range(10, 18), reverse=True)
+
+
+def test_clients_credentials_for_the_router_are_never_forwarded(tmp_path: Path) -> None:
+    from dprouter.config import validate
+    from dprouter.core.errors import ConfigError
+
+    tenants = tenants_file(tmp_path, {})
+    with pytest.raises(ConfigError, match="--forward-authorization"):
+        validate(RouterConfig(forward_authorization=True, tenants=tenants))
+    with pytest.raises(ConfigError, match="--forward-authorization"):
+        validate(RouterConfig(forward_authorization=True, jwt_issuer="https://issuer.test"))

@@ -421,6 +421,12 @@ def check_door(config: RouterConfig) -> None:
     classes = config.classes
     if not classes or len(set(classes)) != len(classes) or not all(c.strip() for c in classes):
         raise ConfigError(f"--classes must name distinct classes, highest first, got {classes!r}")
+    if config.forward_authorization and (config.tenants or config.jwt_issuer):
+        raise ConfigError(
+            "--forward-authorization would send clients' credentials for the router (their "
+            "--tenants keys or JWTs) on to the engines: drop it, and give the engines "
+            "--engine-api-key"
+        )
     if config.jwt_issuer is None and (config.jwt_jwks or config.jwt_audience):
         raise ConfigError("--jwt-jwks and --jwt-audience need --jwt-issuer")
     if config.tracing and importlib.util.find_spec("opentelemetry.sdk") is None:
