@@ -31,6 +31,7 @@ from dprouter.policies.manual import Manual
 from dprouter.proxy.response_ids import ResponseIds
 from dprouter.proxy.routing_keys import Claims, claims
 from dprouter.server.admin import Admin
+from dprouter.server.identity import Identity
 
 log = logging.getLogger("dprouter.control")
 
@@ -137,8 +138,10 @@ class ControlPlane:
         self._followers: dict[int, asyncio.Queue[bytes | None]] = {}  # by row; None: a state
         self._due: set[int] = set()  # rows with a state queued already
         registry.listeners.append(self.changed)
-        # the serving processes check where each admin call came from; the token, here
-        self.admin = Admin(config, registry, monitor, self.sources, relayed=True)
+        # the serving processes check where each admin call came from; the credential
+        # (token, admin key, JWT), here; the open data plane is said here, once
+        self.identity = Identity.of(config)
+        self.admin = Admin(config, registry, monitor, self.sources, True, self.identity)
         self.app = web.Application(client_max_size=config.max_body)
         self.app.add_routes(
             [
@@ -165,6 +168,7 @@ class ControlPlane:
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         await web.UnixSite(self._runner, path).start()
+        self.identity.start()
         if self.config.pd == "vllm-moriio":
             self.registration = Registration(
                 self.registry,
@@ -184,6 +188,7 @@ class ControlPlane:
             await source.stop()
         await self.monitor.stop()
         self.breakers.stop()
+        await self.identity.stop()
         if self._runner is not None:
             await self._runner.cleanup()
 

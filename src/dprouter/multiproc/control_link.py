@@ -51,8 +51,9 @@ from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy.response_ids import ResponseIds
 from dprouter.proxy.routing_keys import Places
-from dprouter.server.admin import ADMIN_ROUTES, denied
+from dprouter.server.admin import ADMIN_ROUTES
 from dprouter.server.commands import UPDATE_TIMEOUT
+from dprouter.server.identity import Identity
 
 log = logging.getLogger("dprouter.follower")
 HOP = HOP_BY_HOP | {"date", "server"}  # the relay's own say these
@@ -185,17 +186,19 @@ class SharedBreakers(Breakers):
 class AdminRelay:
     """The admin API as the parent runs it: a worker added through any serving process
     is added once, for all of them, and an engine command holds the workers for all.
-    Where a call came from is checked here: the parent sees only this process."""
+    Where a call came from is checked here, when no admin credential is configured (the
+    parent sees only this process); a credential is checked by the parent, which runs the
+    call. Only the ``Authorization`` header goes up, over the parent's Unix socket."""
 
-    def __init__(self, channel: Channel, config: RouterConfig) -> None:
+    def __init__(self, channel: Channel, identity: Identity) -> None:
         self.channel = channel
-        self.config = config
+        self.identity = identity
 
     def routes(self) -> list[web.RouteDef]:
         return [web.route(method, path, self.relay) for method, path in ADMIN_ROUTES]
 
     async def relay(self, request: web.Request) -> web.Response:
-        if self.config.admin_token is None and (refused := denied(self.config, request)):
+        if self.identity.open_admin() and (refused := await self.identity.admin(request)):
             return refused
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
@@ -293,7 +296,8 @@ class ControlLink:
         return breakers
 
     def admin_routes(self) -> list[web.RouteDef]:
-        return AdminRelay(self.channel, self.config).routes()
+        # its own view of the credentials, only to know whether callers are placed by address
+        return AdminRelay(self.channel, Identity.of(self.config, warn=False)).routes()
 
     def response_ids(self) -> ResponseIds:
         return SharedResponseIds(self.channel)

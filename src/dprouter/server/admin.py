@@ -2,24 +2,24 @@
 ``/workers`` and older ``/add_worker``, ``/remove_worker``, ``/list_workers``: the RL
 frameworks call both), the RL listing, and the engine commands (``commands``).
 
-With an admin token every call must carry ``Authorization: Bearer <token>`` (a token of
-its own, not a client API key). Without one, calls are taken from loopback and the
-``--admin-from`` networks only: an RL framework starts its router with no token and
-registers its engines from the same host (or, multi-node, from the engines' own).
+Every call passes ``Identity.admin`` (``server/identity.py``): an admin's credential
+(``--admin-token``, an admin tenant's API key, a JWT with the admin role) as
+``Authorization: Bearer``; a user's is refused with 403. With no admin credential
+configured, calls are taken from loopback and the ``--admin-from`` networks only: an RL
+framework starts its router with no token and registers its engines from the same host
+(or, multi-node, from the engines' own).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from dprouter.config import RouterConfig, admin_networks
+from dprouter.config import RouterConfig
 from dprouter.core.errors import ConfigError, Duplicate, EtcdError, error
 from dprouter.core.types import ROLES
 from dprouter.fleet.membership import Source, worker_name
@@ -30,47 +30,10 @@ from dprouter.fleet.registry import Registry, worker_from_spec
 from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import WorkerSpec, normalise_url, worker_from_mapping
 from dprouter.server.commands import COMMANDS, Commands
+from dprouter.server.identity import Identity
+from dprouter.server.identity import trusted as trusted  # where the tests find it
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
-
-
-def bearer(token: str, given: str) -> bool:
-    """``given``, an Authorization header, carries the admin token (in constant time)."""
-    return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
-
-
-def denied(
-    config: RouterConfig, request: web.Request, relayed: bool = False
-) -> web.Response | None:
-    """The answer to an admin call its caller may not make; None: it may go on.
-    ``relayed``: it came from a serving process of ``--processes N``, which checked the
-    caller's address (the token is checked here)."""
-    token = config.admin_token
-    if token is not None:
-        if not bearer(token, request.headers.get("Authorization", "")):
-            return error(401, "admin calls need Authorization: Bearer <admin token>")
-        return None
-    if relayed or trusted(request.remote, config.admin_from):
-        return None
-    return error(
-        403,
-        f"without an admin token, admin calls are taken from loopback and --admin-from "
-        f"networks only, not from {request.remote}: start the router with --admin-token, "
-        "or name the caller's network in --admin-from",
-    )
-
-
-def trusted(remote: str | None, admin_from: Sequence[str]) -> bool:
-    """``remote`` is loopback or in one of the ``admin_from`` networks."""
-    try:
-        address = ipaddress.ip_address((remote or "").split("%")[0])
-    except ValueError:
-        return False  # no address: not a caller it can place
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # an IPv4 caller of a dual-stack socket
-    if address.is_loopback:
-        return True
-    return any(address in network for network in admin_networks(admin_from))
 
 
 def worker_fields(worker: Worker) -> dict[str, Any]:
@@ -139,7 +102,7 @@ class Admin:
     answer names the key, and the worker joins here as on the others, from the watch.
     A worker from a Kubernetes pod cannot be removed here (409): its pod decides.
     ``relayed``: the calls come from the serving processes of ``--processes N``, which
-    checked where each came from."""
+    checked where each came from; the credential is checked here."""
 
     def __init__(
         self,
@@ -148,8 +111,10 @@ class Admin:
         monitor: Monitor,
         sources: Sequence[Source] = (),
         relayed: bool = False,
+        identity: Identity | None = None,
     ) -> None:
         self.config = config
+        self.identity = identity or Identity.of(config, warn=False)
         self.registry = registry
         self.monitor = monitor
         self.relayed = relayed
@@ -185,7 +150,7 @@ class Admin:
 
     def guard(self, handler: Handler) -> Handler:
         async def guarded(request: web.Request) -> web.Response:
-            if (refused := denied(self.config, request, self.relayed)) is not None:
+            if (refused := await self.identity.admin(request, self.relayed)) is not None:
                 return refused
             return await handler(request)
 

@@ -15,7 +15,6 @@ from aiohttp import web
 
 from dprouter.config import RouterConfig, sources, validate
 from dprouter.core.errors import ConfigError, TokenizerError, error
-from dprouter.core.tenants import Tenants
 from dprouter.core.tls import EngineAccess
 from dprouter.core.types import Role
 from dprouter.engines.kvevents import prompt
@@ -48,6 +47,7 @@ from dprouter.server.admin import Admin
 from dprouter.server.admission import Admission, AdmissionOptions
 from dprouter.server.door import Door
 from dprouter.server.engine_routes import EngineRoutes
+from dprouter.server.identity import Identity
 from dprouter.server.parts import PARTS, Control, Parts
 from dprouter.server.routes import Routes
 
@@ -80,6 +80,9 @@ def build_app(
         for spec in config.workers:
             registry.add(worker_from_spec(spec, registry))
     metrics = RouterMetrics(registry, metrics_dir)
+    # the keys and JWTs it takes; a serving process of --processes N leaves the start-up
+    # warning to the parent
+    identity = Identity.of(config, warn=control is None)
     parts = Parts(
         config=config,
         registry=registry,
@@ -90,7 +93,8 @@ def build_app(
         admission=Admission(
             AdmissionOptions(config.max_concurrent, config.queue_size, config.queue_timeout)
         ),
-        door=door(config, registry, metrics),
+        door=door(identity, registry, metrics),
+        identity=identity,
         access=access,
         control=control,
         lock=lock,
@@ -107,11 +111,12 @@ def build_app(
     app = web.Application(client_max_size=config.max_body, middlewares=[_last_resort])
     app[PARTS] = parts
     app.cleanup_ctx.append(_lifecycle)
+    app.cleanup_ctx.append(identity.lifecycle)
     app.add_routes([*Routes(parts).routes(), *EngineRoutes(parts).routes()])
     if control is not None:
         app.add_routes(control.admin_routes())  # the parent runs them, once for all
     else:
-        admin = Admin(config, registry, parts.monitor, parts.sources)
+        admin = Admin(config, registry, parts.monitor, parts.sources, identity=identity)
         app.add_routes(admin.routes())
         app.on_cleanup.append(lambda _: admin.close())
     if config.dashboard:
@@ -123,12 +128,13 @@ def build_app(
     return app
 
 
-def door(config: RouterConfig, registry: Registry, metrics: RouterMetrics) -> Door:
+def door(identity: Identity, registry: Registry, metrics: RouterMetrics) -> Door:
     """The front door: the tenants of ``--tenants`` (none: everyone is anonymous), their
-    limits kept on the board (shared by every serving process)."""
-    classes = config.classes
-    tenants = Tenants.load(config.tenants, classes) if config.tenants else Tenants()
-    return Door(tenants, Limiter(registry.board), metrics, classes)
+    limits kept on the board (shared by every serving process); who sent a request is
+    asked only when some credential is configured."""
+    identify = identity.identify if identity.configured else None
+    limiter = Limiter(registry.board)
+    return Door(identity.tenants, limiter, metrics, identity.config.classes, identify)
 
 
 def reads_prefixes(config: RouterConfig, policy: Policy) -> bool:

@@ -32,6 +32,7 @@ from dprouter.proxy.routing_keys import Places
 from dprouter.server.admission import Admission
 from dprouter.server.door import Door
 from dprouter.server.drain import Drain
+from dprouter.server.identity import Identity
 from dprouter.server.loop_lag import LoopLag
 
 
@@ -78,6 +79,7 @@ class Parts:
     admission: Admission
     breakers: Breakers
     door: Door  # who sent each request, their limits and class
+    identity: Identity  # whose credential a request carries; the admin check
     access: EngineAccess = field(default_factory=EngineAccess)  # engines' TLS and keys
     drain: Drain = field(default_factory=Drain)  # requests in flight, for a graceful stop
     response_ids: ResponseIds = field(default_factory=ResponseIds)  # which target made each

@@ -1,16 +1,16 @@
 """The live view: ``/dashboard`` (a page with no build step) and ``/dashboard/data``.
 
-Off unless ``--dashboard``. It names worker URLs, so with an admin token set the
-page and its data need it: ``Authorization: Bearer <token>``, or Basic auth with
-the token as the password, which is what lets a browser log in at all.
+Off unless ``--dashboard``. It names worker URLs, so it is the admin's (``Identity.admin``):
+with an admin credential configured (``--admin-token``, an admin API key, JWTs) the page
+and its data need one, as ``Authorization: Bearer <credential>`` or as the password of
+Basic auth, which is what lets a browser log in at all; with none, it answers loopback
+and ``--admin-from`` networks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hmac
 import time
 from collections.abc import AsyncIterator
 from importlib import metadata, resources
@@ -20,7 +20,6 @@ from aiohttp import web
 
 from dprouter.core.errors import error
 from dprouter.policies.manual import Manual
-from dprouter.server.admin import bearer
 from dprouter.server.dashboard.data import RouterInfo, build
 from dprouter.server.dashboard.window import Window, read
 from dprouter.server.parts import Parts
@@ -38,25 +37,9 @@ FILES = {
 }
 
 
-def authorised(token: str | None, header: str) -> bool:
-    if token is None:
-        return True
-    if bearer(token, header):
-        return True
-    scheme, _, encoded = header.partition(" ")
-    if scheme.lower() != "basic":
-        return False
-    try:
-        _, _, password = base64.b64decode(encoded, validate=True).decode().partition(":")
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return hmac.compare_digest(password.encode(), token.encode())  # any user name
-
-
 class Dashboard:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
-        self.token = parts.config.admin_token
         self.window = Window(lambda: read(parts.metrics.whole(), time.monotonic()))
         self.started = time.time()
         self.version = metadata.version("dprouter")
@@ -79,20 +62,17 @@ class Dashboard:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def denied(self, request: web.Request) -> web.Response | None:
-        if authorised(self.token, request.headers.get("Authorization", "")):
-            return None
-        return error(
-            401,
-            "the dashboard needs the admin token (Bearer, or Basic with it as the password)",
-            headers={"WWW-Authenticate": 'Basic realm="dprouter", charset="UTF-8"'},
-        )
+    async def denied(self, request: web.Request) -> web.Response | None:
+        refused = await self.parts.identity.admin(request, basic=True)
+        if refused is not None and refused.status == 401:  # a browser asks for it
+            refused.headers["WWW-Authenticate"] = 'Basic realm="dprouter", charset="UTF-8"'
+        return refused
 
     async def page(self, request: web.Request) -> web.Response:
         return await self.file(request, "index.html")
 
     async def file(self, request: web.Request, name: str | None = None) -> web.Response:
-        if (refused := self.denied(request)) is not None:
+        if (refused := await self.denied(request)) is not None:
             return refused
         name = name or request.match_info["name"]
         if name not in FILES:
@@ -105,7 +85,7 @@ class Dashboard:
         return web.Response(body=self.files[name], content_type=FILES[name], headers=headers)
 
     async def data(self, request: web.Request) -> web.Response:
-        if (refused := self.denied(request)) is not None:
+        if (refused := await self.denied(request)) is not None:
             return refused
         config = self.parts.config
         sessions, started = await self._held()
