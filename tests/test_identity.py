@@ -431,3 +431,23 @@ async def test_under_two_processes_the_parent_checks_the_admin_credential(
         assert engine.hits["GET /flush_cache"] == 0
     finally:
         await sup.stop()
+
+
+async def test_under_two_processes_the_open_data_plane_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+    start_cluster: StartCluster,
+) -> None:
+    caplog.set_level(logging.INFO)  # the serving processes log at the parent's level
+    (engine,) = (await start_cluster([SGLANG])).servers
+    sup = Supervisor(RouterConfig(workers=workers(engine.url), port=0, processes=2, grace=2.0))
+    await sup.start()
+    try:
+        assert await sup.settled(10)
+        async with aiohttp.ClientSession() as s:
+            assert (await call(s, "POST", sup.url + "/v1/completions", {}, PROMPT))[0] == 200
+    finally:
+        await sup.stop()
+    said = [r for r in caplog.records if r.getMessage() == OPEN]  # the parent's
+    assert len(said) == 1
+    assert OPEN not in capfd.readouterr().err  # the serving processes' own log
