@@ -26,7 +26,7 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -146,7 +146,11 @@ async def start_on_free_port(
 
 
 async def until_serving(
-    url: str, seconds: float = 60, model: str = "bench", proc: Proc | None = None
+    url: str,
+    seconds: float = 60,
+    model: str = "bench",
+    proc: Proc | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> None:
     """Wait until a real completion succeeds (a router's /health may say yes too early);
     raise ``Exited`` if ``proc``, the server, stops first."""
@@ -158,7 +162,8 @@ async def until_serving(
                 if proc is not None and proc.exited:
                     raise Exited(f"{proc.argv} exited:\n{''.join(proc.lines[-20:])}")
                 try:
-                    async with session.post(url + "/v1/completions", json=body) as r:
+                    sent = session.post(url + "/v1/completions", json=body, headers=headers)
+                    async with sent as r:
                         if r.status == 200:
                             return
                 except (aiohttp.ClientError, TimeoutError):

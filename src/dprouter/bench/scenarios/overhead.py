@@ -116,7 +116,7 @@ async def start_router(
         argv = [sys.executable, str(BARE_SCRIPT), "--port", "0", "--upstream", backend]
         proc = Proc(argv, cpus=ROUTER_CORE)
         url = url_in(await proc.start("ready"))
-    await peer_routers.until_serving(url, proc=proc)
+    await peer_routers.until_serving(url, proc=proc, headers=HEADERS.get(kind))
     return proc, url
 
 
