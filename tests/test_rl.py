@@ -58,7 +58,7 @@ async def test_miles_calls_succeed_against_a_router_started_as_a_framework_start
         url, _ = await listening(proc)
         assert proc.stderr is not None
         said = [(await asyncio.wait_for(proc.stderr.readline(), 10)).decode() for _ in range(2)]
-        assert "no --admin-token: the admin API" in said[0] and "loopback" in said[0]
+        assert "no admin credential: the admin API" in said[0] and "loopback" in said[0]
         assert "no worker yet" in said[1]
         await miles(http, cluster, url)
     finally:

@@ -132,7 +132,7 @@ class RouterConfig:
     # routed as its n samples would be, one request to each target reached, answered as
     # one (proxy/samples.py; bench samples: evener lock-step steps, fewer prompt hits)
     samples: SamplesMode = "together"
-    dashboard: bool = False  # /dashboard and /dashboard/data; behind admin_token when set
+    dashboard: bool = False  # /dashboard and /dashboard/data; behind the admin role
     pd: PdMode | None = None  # P/D disaggregation flow, chosen once; None: regular workers
     prefill_policy: str | None = None  # None: --policy (round_robin)
     decode_policy: str | None = None
@@ -370,9 +370,9 @@ def admin_exposure(config: RouterConfig) -> str:
     """What a router without an admin token opens, and to whom: said loudly at start-up."""
     whom = ", ".join(["loopback", *config.admin_from])
     return (
-        f"no --admin-token: the admin API (adding and removing workers, pausing engines, "
-        f"weight updates, aborts) answers anyone on {whom} without a token; give "
-        "--admin-token to require one"
+        f"no admin credential: the admin API (adding and removing workers, pausing engines, "
+        f"weight updates, aborts) answers anyone on {whom} without one; give "
+        "--admin-token, or an admin tenant's key in --tenants, or --jwt-issuer, to require one"
     )
 
 

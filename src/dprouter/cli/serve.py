@@ -20,6 +20,7 @@ from dprouter.core.types import PD_MODES, ROLES
 from dprouter.fleet.worker_spec import parse_worker
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.policies import POLICIES
+from dprouter.server.identity import Identity
 from dprouter.server.router import Router
 
 log = logging.getLogger("dprouter")
@@ -502,8 +503,8 @@ def make_config(
     "--dashboard",
     is_flag=True,
     help=(
-        "Serve the live view at /dashboard and its JSON at /dashboard/data (behind --admin-token "
-        "when set)."
+        "Serve the live view at /dashboard and its JSON at /dashboard/data, behind the admin "
+        "role (docs/security.md)."
     ),
 )
 @click.option(
@@ -580,7 +581,7 @@ async def run(config: RouterConfig) -> None:
             targets,
             config.process_count,
         )
-        if config.admin_token is None:
+        if Identity.of(config, warn=False).open_admin():  # no admin credential at all
             log.warning(admin_exposure(config))
         if not config.workers and config.discovery is None and config.pd != "vllm-moriio":
             log.warning("no worker yet: engines join with POST /workers (docs/rl.md)")

@@ -11,8 +11,9 @@ a second, while the first is in flight, is refused with 409.
 
 The table names each command by its SGLang path where SGLang has one (the RL frameworks
 speak SGLang) and says what each engine kind calls it; vLLM's own paths are commands
-too. Behind the admin API's rule (``admin.denied``); under ``--processes N`` the parent
-runs them, so every serving process sees the same holds (``control_link.AdminRelay``).
+too. Behind the admin role (``Identity.admin``, server/identity.py); under
+``--processes N`` the parent runs them, so every serving process sees the same holds
+(``control_link.AdminRelay``).
 """
 
 from __future__ import annotations
