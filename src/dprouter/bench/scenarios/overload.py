@@ -139,11 +139,7 @@ async def send(session: aiohttp.ClientSession, url: str, kind: Kind, seed: int) 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {
-        "Authorization": f"Bearer {kind.key}",
-        "X-Priority": kind.cls,
-        "x-smg-priority": kind.smg_class,
-    }
+    headers = {"Authorization": f"Bearer {kind.key}", "x-smg-priority": kind.smg_class}
     loop = asyncio.get_running_loop()
     out = Outcome(kind, 0, loop.time())
     try:
@@ -216,12 +212,11 @@ async def capacity(urls: Sequence[str], seconds: float) -> float:
 
 
 def tenants_yaml() -> str:
-    """Each tenant's key and class. A caller the router does not identify by key is the
-    default tenant, whose X-Priority stands: the class the client names, the same."""
+    """Each tenant's key and class (the key decides it: no X-Priority is sent)."""
     lines = ["tenants:"]
     for k in KINDS:
         lines += [f"  {k.tenant}:", f"    keys: [{k.key}]", f"    class: {k.cls}"]
-    return "\n".join([*lines, "default: {class: low, set_class: true}", ""])
+    return "\n".join([*lines, "default: {class: low}", ""])
 
 
 def smg_yaml(shape: Shape) -> str:
@@ -317,6 +312,22 @@ async def smg_slots(metrics: str, after: float) -> str:
     return f"smg's scheduler admitted against {inflight / utilisation:.0f} slots"
 
 
+async def admitted(url: str) -> str:
+    """What dprouter admitted by tenant and class (its metrics): the classes its keys gave."""
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.get(url + "/metrics") as r,
+    ):
+        text = await r.text()
+    found = [
+        f"{line.split('{', 1)[1].split('}', 1)[0]} {float(line.rsplit(' ', 1)[1]):g}"
+        for line in text.splitlines()
+        if line.startswith("dprouter_tenant_admitted_total{")
+    ]
+    return "admitted by " + ("; ".join(found) or "no tenant (no dprouter_tenant_admitted_total)")
+
+
 async def ready(url: str, proc: Proc, seconds: float = 90) -> None:
     """Until a request of each tenant completes (a router may answer /health too early)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
@@ -355,6 +366,8 @@ async def once(row: Row, rate: float, shape: Shape, files: Path) -> Measured:
             seconds = time.monotonic() - t0
             if probe is not None:
                 notes.append(await probe)
+            elif row.tenants:
+                notes.append(await admitted(url))
         finally:
             await proc.stop()
     return Measured(unloaded, loaded, seconds, notes)
@@ -516,9 +529,9 @@ def method(shape: Shape) -> str:
         f"interactive ({SHARE:.0%} of the requests, class high, smg class interactive): "
         f"{INTERACTIVE.prompt}-token prompts, {INTERACTIVE.output}-token answers; tenant "
         f"batch (class low, smg bulk): {BATCH.prompt}-token prompts, {BATCH.output}-token "
-        "answers; every request streamed, with its tenant's API key, X-Priority (dprouter "
-        "takes it from callers its keys do not identify: the default tenant may choose) "
-        "and x-smg-priority (smg clamps it to the tenant's max_class). Each row: the "
+        "answers; every request streamed, with its tenant's API key (dprouter: the key "
+        "decides the class) and x-smg-priority (smg clamps it to the tenant's max_class). "
+        "Each row: the "
         "interactive tenant's arrivals alone (Poisson at its share of the offered rate, "
         f"{shape.unloaded:g} s: the unloaded reference), then both tenants' at "
         f"{OVERLOAD:g}x the capacity for {shape.loaded:g} s, the same seeded arrivals for "
