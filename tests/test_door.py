@@ -350,3 +350,59 @@ def test_clients_credentials_for_the_router_are_never_forwarded(tmp_path: Path) 
         validate(RouterConfig(forward_authorization=True, tenants=tenants))
     with pytest.raises(ConfigError, match="--forward-authorization"):
         validate(RouterConfig(forward_authorization=True, jwt_issuer="https://issuer.test"))
+
+
+async def test_a_rank_whose_kv_cache_is_past_the_bound_takes_no_more_requests(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """vLLM reports no running cap, but its KV cache's use and size: with ``--engine-kv
+    0.5`` a rank whose token load (its report, plus what was sent since) is half its cache
+    or more gets nothing new, so the engine never has to queue a request for want of cache
+    (it does without the bound); requests wait in the router meanwhile, and every one is
+    answered."""
+    limits = RankLimits(kv_tokens=4096, max_model_len=2048)
+
+    async def run(engine_kv: float) -> tuple[int, int]:
+        """(the most requests an engine rank kept waiting, the most the router held)"""
+        (engine,) = (await start_cluster([EngineConfig(dp_size=2, limits=limits)])).servers
+        config = RouterConfig(workers=workers(engine.url), engine_kv=engine_kv, load_interval=0.02)
+        router = await start_router(config)
+        waiting = held_seen = 0
+
+        async def watch() -> None:
+            nonlocal waiting, held_seen
+            for _ in range(2_000):  # bounded: ~20 s
+                waiting = max(waiting, *(len(r.waiting) for r in engine.engine.ranks))
+                held_seen = max(held_seen, held(router))
+                await asyncio.sleep(0.01)
+
+        async def one(i: int) -> int:
+            await asyncio.sleep(0.05 * i)
+            prompt = " ".join(f"p{i}w{j}" for j in range(600))  # ~15 % of a rank
+            return (await status(http, router.url, body(prompt, 300)))[0]
+
+        watching = asyncio.create_task(watch())
+        statuses = await asyncio.gather(*(one(i) for i in range(16)))
+        watching.cancel()
+        assert statuses == [200] * 16
+        return waiting, held_seen
+
+    unbounded = await run(0.0)
+    assert unbounded[0] > 1 and unbounded[1] == 0  # the engine queued them
+    waiting, held_seen = await run(0.5)
+    assert waiting <= 1 and held_seen > 0  # the router held them (1: until the next step)
+
+
+@pytest.mark.parametrize(
+    ("args", "classes"),
+    [([], ("high", "normal", "low")), (["--classes", "gold, bronze"], ("gold", "bronze"))],
+)
+def test_the_classes_option_reads_as_the_configuration_says(
+    args: list[str], classes: tuple[str, ...]
+) -> None:
+    from dprouter.cli.serve import make_config, serve
+
+    ctx = serve.make_context("serve", args)
+    options = {k: v for k, v in ctx.params.items() if k not in ("workers", "config_file")}
+    options.pop("log_level")
+    assert make_config(ctx, None, (), options).classes == classes

@@ -33,6 +33,8 @@ def option(flag: str, name: str | None = None, **kw: Any) -> Callable[[FC], FC]:
     default = RouterConfig.__dataclass_fields__[field].default
     if field == "processes":
         default = str(default)  # N or auto: the option takes text
+    if field == "classes":
+        default = ",".join(default)  # one text, split by the option's callback
     show = default is not None and not kw.get("is_flag", False) and default != ()
     return click.option(flag, field, default=default, show_default=show, **kw)
 
@@ -428,7 +430,7 @@ def make_config(
 @option(
     "--classes",
     multiple=False,
-    callback=lambda _c, _p, v: tuple(v.split(",")) if isinstance(v, str) else v,
+    callback=lambda _c, _p, v: tuple(c.strip() for c in v.split(",")),
     metavar="A,B,...",
     help="Priority classes, highest first (a tenant's class, or X-Priority when it may set it).",
 )
@@ -444,6 +446,15 @@ def make_config(
     "--engine-queue",
     type=click.IntRange(min=0),
     help="Requests a rank may queue beyond its running slots before the router holds more.",
+)
+@option(
+    "--engine-kv",
+    type=click.FloatRange(min=0, max=1),
+    help=(
+        "The share of its KV cache at which a rank takes no more requests (held in the "
+        "router meanwhile): the tokens its engine last reported, plus those sent since; "
+        "0: no bound."
+    ),
 )
 @option(
     "--reserve",
