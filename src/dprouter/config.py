@@ -108,6 +108,9 @@ class RouterConfig:
     engine_queue: int = 0
     # running slots per rank only the highest class may take: it finds one free at once
     reserve: int = 0
+    # the share of its KV capacity (0 to 1) at which a rank takes no more requests (held in
+    # the router): the tokens its engine last reported, plus those sent since; 0: no bound
+    engine_kv: float = 0.0
     # HTTPS: the router's certificate chain and key (PEM), reloaded on SIGHUP
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -418,6 +421,8 @@ def check_door(config: RouterConfig) -> None:
             raise ConfigError(
                 f"{what} needs both --{cert.replace('_', '-')} and --{key.replace('_', '-')}"
             )
+    if not 0.0 <= config.engine_kv <= 1.0:
+        raise ConfigError(f"--engine-kv is a share of the KV cache, 0 to 1, got {config.engine_kv}")
     classes = config.classes
     if not classes or len(set(classes)) != len(classes) or not all(c.strip() for c in classes):
         raise ConfigError(f"--classes must name distinct classes, highest first, got {classes!r}")

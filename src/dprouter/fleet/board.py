@@ -15,7 +15,9 @@ tokens queued) and the router counts prompt + output budget left. ``work``: the
 decode tokens its requests there have left to run, by their predicted lengths
 (what sets an engine's steps: ``min_tokens`` compares it). ``cap``: the requests
 the engine runs at once there (its running slots, as it reports them; 0: not
-known), for the dispatcher (``proxy/dispatch``).
+known), for the dispatcher (``proxy/dispatch``); ``kv``: the tokens its KV cache holds
+at most, as the engine reports them (0: not known; the dispatcher's ``--engine-kv``
+bound compares the token load with it).
 
 One process keeps the board in a private buffer. ``--processes N`` puts it in
 shared memory (made by the parent before the children start) with, besides
@@ -28,7 +30,8 @@ Layout, int64 cells: ``own_inflight[rows][slots]``, ``own_tokens[rows][slots]``,
 ``own_work[rows][slots]``,
 ``inflight[slots]``, ``tokens[slots]``, ``reported[slots]``, ``load[slots]``,
 ``base[slots]``, ``reported_tokens[slots]``, ``token_load[slots]``,
-``token_base[slots]``, ``work[slots]``, ``cap[slots]``, then two cells: the row (+1)
+``token_base[slots]``, ``work[slots]``, ``cap[slots]``, ``kv[slots]``, then two
+cells: the row (+1)
 holding the lock, 0 if none;
 the routing keys ``manual`` moved off overloaded targets (one writer: the
 process that owns the key table); then ``MODELS`` pairs of cells for the typical
@@ -64,7 +67,7 @@ class Lock(Protocol):
 
 SLOTS = 1 << 15  # targets + workers a router can hold (4,096 ranks is 1/8 of it)
 I64 = npt.NDArray[np.int64]
-ROWS = 10  # whole-router rows
+ROWS = 11  # whole-router rows
 MODELS = 64  # models whose typical output length the board keeps (more: kept per process)
 
 
@@ -111,6 +114,7 @@ class Board:
             self.token_base,
             self.work,
             self.cap,
+            self.kv,
         ) = (whole[top + i * slots : top + (i + 1) * slots] for i in range(ROWS))
         self.mine = row * slots  # where this process's own rows start
         self.mine_tokens = own + row * slots
@@ -125,6 +129,7 @@ class Board:
         self.token_base_base = top + 7 * slots
         self.work_base = top + 8 * slots
         self.cap_base = top + 9 * slots
+        self.kv_base = top + 10 * slots
         self.lock_cell = top + ROWS * slots
         self.moves_cell = self.lock_cell + 1
         self.models_base = self.moves_cell + 1  # MODELS x (key, typical x 1000)
@@ -144,7 +149,7 @@ class Board:
         del self.whole, self.own_inflight, self.own_tokens, self.own_work, self.inflight
         del self.tokens
         del self.reported, self.load, self.base, self.reported_tokens, self.token_load
-        del self.token_base, self.work, self.cap, self.buckets, self.own_flights
+        del self.token_base, self.work, self.cap, self.kv, self.buckets, self.own_flights
         self.load_cells.release()
         self.token_load_cells.release()
         self.cells.release()
@@ -175,6 +180,9 @@ class Board:
 
     def cap_of(self, slot: int) -> int:
         return self.cells[self.cap_base + slot]
+
+    def kv_of(self, slot: int) -> int:
+        return self.cells[self.kv_base + slot]
 
     @property
     def moves(self) -> int:
@@ -256,6 +264,11 @@ class Board:
         c[self.token_base_base + slot] = t
         c[self.token_load_base + slot] = t if t > tokens else tokens
 
+    def set_kv(self, slot: int, tokens: int) -> None:
+        """The tokens ``slot``'s KV cache holds at most (0: not known). One cell, as
+        ``set_cap``."""
+        self.cells[self.kv_base + slot] = tokens
+
     def set_cap(self, slot: int, cap: int) -> None:
         """The requests the engine runs at once on ``slot`` (0: not known). One cell:
         written whole, read whole, no lock needed."""
@@ -288,6 +301,7 @@ class Board:
                 del self._free[i]
                 self.report(slot, 0)
                 self.set_cap(slot, 0)
+                self.set_kv(slot, 0)
                 return slot
         if self._next >= self.slots:
             raise RuntimeError(f"the router holds at most {self.slots} targets and workers")

@@ -35,6 +35,12 @@ Load = tuple[int, int]  # requests running + waiting, tokens
 
 def vllm_loads(text: str) -> dict[int, Load]:
     """Per ``engine`` label of a vLLM ``/metrics`` text: requests and KV tokens."""
+    return vllm_read(text)[0]
+
+
+def vllm_read(text: str) -> tuple[dict[int, Load], dict[int, int]]:
+    """Per ``engine`` label of a vLLM ``/metrics`` text: requests and KV tokens, and the
+    tokens its KV cache holds at most."""
     requests: dict[int, float] = {}
     usage: dict[int, float] = {}
     capacity: dict[int, float] = {}
@@ -52,10 +58,12 @@ def vllm_loads(text: str) -> dict[int, Load]:
                 blocks, size = s.labels.get("num_gpu_blocks", ""), s.labels.get("block_size", "")
                 if blocks.isdigit() and size.isdigit():
                     capacity[engine] = float(blocks) * float(size)
-    return {
+    engines = requests.keys() | usage.keys()
+    loads = {
         e: (int(requests.get(e, 0)), round(usage.get(e, 0.0) * capacity.get(e, 0.0)))
-        for e in requests.keys() | usage.keys()
+        for e in engines
     }
+    return loads, {e: int(c) for e, c in capacity.items()}
 
 
 def sglang_load(entry: Mapping[str, object]) -> Load:
@@ -65,6 +73,12 @@ def sglang_load(entry: Mapping[str, object]) -> Load:
 
     requests = count("num_running_reqs") + count("num_waiting_reqs")
     return requests, count("num_used_tokens") + count("num_waiting_uncached_tokens")
+
+
+def sglang_kv(entry: Mapping[str, object]) -> int:
+    """A rank's KV capacity in tokens (``max_total_num_tokens``); 0: it does not say."""
+    value = entry.get("max_total_num_tokens", 0)
+    return int(value) if isinstance(value, int | float) and value > 0 else 0
 
 
 def sglang_cap(entry: Mapping[str, object]) -> int:
@@ -77,39 +91,51 @@ async def scrape(session: aiohttp.ClientSession, worker: Worker) -> dict[int, Lo
     return (await read(session, worker))[0]
 
 
-async def read(
-    session: aiohttp.ClientSession, worker: Worker
-) -> tuple[dict[int, Load], dict[int, int]]:
-    """``scrape``'s loads, and each local rank's running cap where the engine says."""
+# loads, running caps, KV capacities (tokens), per local rank
+Reading = tuple[dict[int, Load], dict[int, int], dict[int, int]]
+
+
+async def read(session: aiohttp.ClientSession, worker: Worker) -> Reading:
+    """``scrape``'s loads, and each local rank's running cap and KV capacity in tokens,
+    where the engine says."""
     if worker.dialect == "vllm":
         async with session.get(worker.url + "/metrics") as r:
             r.raise_for_status()
-            per_engine = vllm_loads(await r.text())
+            per_engine, kv = vllm_read(await r.text())
         offset = worker.rank_offset or 0
-        return {label - offset: value for label, value in per_engine.items()}, {}
+        loads = {label - offset: value for label, value in per_engine.items()}
+        return loads, {}, {label - offset: value for label, value in kv.items()}
     async with session.get(worker.url + "/v1/loads") as r:
         if r.status == 200:
             loads = orjson.loads(await r.read()).get("loads", [])
             by_rank = {int(x["dp_rank"]): x for x in loads}
             caps = {rank: sglang_cap(x) for rank, x in by_rank.items()}
-            return {rank: sglang_load(x) for rank, x in by_rank.items()}, caps
+            kv = {rank: sglang_kv(x) for rank, x in by_rank.items()}
+            return {rank: sglang_load(x) for rank, x in by_rank.items()}, caps, kv
     async with session.get(worker.url + "/get_load") as r:  # older SGLang: no tokens
         r.raise_for_status()
         loads = orjson.loads(await r.read())
-        return {int(x["dp_rank"]): (int(x["num_reqs"]), 0) for x in loads}, {}
+        return {int(x["dp_rank"]): (int(x["num_reqs"]), 0) for x in loads}, {}, {}
 
 
 def assign(
-    worker: Worker, per_rank: dict[int, Load], caps: Mapping[int, int] | None = None
+    worker: Worker,
+    per_rank: dict[int, Load],
+    caps: Mapping[int, int] | None = None,
+    kv: Mapping[int, int] | None = None,
 ) -> None:
     """Write the reports on the board: each rank's, and the whole worker's (the sum); and
     each target's running cap (a target that is the whole worker: the ranks' sum, known
-    only when every rank's is)."""
+    only when every rank's is) and KV capacity in tokens (the whole worker's: the
+    ranks' sum)."""
     whole = (sum(r for r, _ in per_rank.values()), sum(t for _, t in per_rank.values()))
     caps = caps or {}
     every = sum(caps.values()) if caps and all(caps.values()) else 0
+    kv = kv or {}
+    total = sum(kv.values())
     for t in worker.targets:
         t.report(*(whole if t.rank is None else per_rank.get(t.rank, (0, 0))))
         t.board.set_cap(t.slot, every if t.rank is None else caps.get(t.rank, 0))
+        t.board.set_kv(t.slot, total if t.rank is None else kv.get(t.rank, 0))
     if worker.board is not None and worker.slot >= 0:
         worker.board.report(worker.slot, *whole)

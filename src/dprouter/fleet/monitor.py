@@ -171,12 +171,13 @@ class Monitor:
 
     async def _scrape(self, worker: Worker) -> None:
         caps: dict[int, int] = {}
+        kv: dict[int, int] = {}
         try:
-            per_rank, caps = await engine_load.read(self.session, worker)
+            per_rank, caps, kv = await engine_load.read(self.session, worker)
         except Exception as exc:  # one odd worker must not stop scraping the others
             log.debug("load of %s unavailable: %s", worker.id, exc)
             per_rank = {}  # unknown now: fall back on the router's own counts
-        engine_load.assign(worker, per_rank, caps)
+        engine_load.assign(worker, per_rank, caps, kv)
 
     async def _health_loop(self) -> None:
         while True:

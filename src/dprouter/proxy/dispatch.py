@@ -29,7 +29,11 @@ weight (``Line``: weighted fair queuing); within a tenant the order above. With
 ``--dispatch-queue`` the queue is bounded: a request arriving to a full queue sheds the
 newest held request of the lowest class below its own (a 503), or is shed itself.
 ``--engine-queue`` lets each rank queue that many requests beyond its running slots
-before the router holds more (the engine's own queue, bounded); ``--reserve`` keeps that
+before the router holds more (the engine's own queue, bounded); ``--engine-kv F`` holds
+requests from a rank whose token load (the KV-cache tokens its engine last reported,
+plus the prompt and output budget of what the router sent it since) is F of its KV
+capacity or more (where no running cap is known, as with vLLM, that bound alone holds);
+``--reserve`` keeps that
 many running slots of each rank for the highest class, so that its requests find one
 free at once while the others are held (their time to first token stays near an idle
 fleet's).
@@ -49,8 +53,10 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from dprouter.config import RouterConfig
 from dprouter.core.types import Caller, DispatchMode, Incoming
@@ -75,6 +81,7 @@ class DispatchOptions:
     queue: int = 0  # requests held at most (the lowest class is shed beyond); 0: no bound
     engine_queue: int = 0  # requests a rank may queue beyond its running slots
     reserve: int = 0  # running slots per rank only the highest class may take
+    kv: int = 0  # thousandths of its KV capacity a rank's token load may reach; 0: no bound
 
     @classmethod
     def of(cls, config: RouterConfig) -> DispatchOptions:
@@ -86,6 +93,7 @@ class DispatchOptions:
             config.dispatch_queue,
             config.engine_queue,
             config.reserve,
+            round(config.engine_kv * 1000),
         )
 
 
@@ -241,16 +249,29 @@ class Dispatcher:
         since); None: not dispatching for them (a target's cap is unknown)."""
         reader = self.readers.of(candidates)
         board, index = reader.board, reader.index
+        kv = self.options.kv
         caps = self.options.slots or board.cap[index]
-        if not np.all(caps):
+        if np.all(caps):
+            bound = caps + self.options.engine_queue
+            if priority:  # the highest class's reserve is not for the others
+                bound = bound - self.options.reserve
+            room = board.load[index] + np.minimum(samples, caps) <= bound
+            if kv:
+                room &= self._kv_room(board.token_load[index], board.kv[index], kv)
+        elif kv:  # no running caps (vLLM): the KV caches alone say who is full
+            room = self._kv_room(board.token_load[index], board.kv[index], kv)
+        else:
             return None
-        bound = caps + self.options.engine_queue
-        if priority:  # the highest class's reserve is not for the others
-            bound = bound - self.options.reserve
-        room = board.load[index] + np.minimum(samples, caps) <= bound
         if room.all():
             return candidates
         return [candidates[int(i)] for i in np.flatnonzero(room)]
+
+    @staticmethod
+    def _kv_room(tokens: npt.NDArray[np.int64], kv: npt.NDArray[np.int64], bound: int) -> Any:
+        """Targets whose token load (the engine's KV-cache tokens as it reported them, plus
+        what the router sent since: fresh between reports) is below ``bound`` thousandths
+        of their KV capacity; a target whose capacity is not known has room."""
+        return (kv == 0) | (tokens * 1000 < kv * bound)
 
     def _take(
         self, candidates: Sequence[Target], pick: Pick, incoming: Incoming
