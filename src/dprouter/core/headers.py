@@ -37,6 +37,8 @@ WEIGHT_VERSION_HEADER = "x-dprouter-weight-version"
 # samples of one group (GRPO: one prompt's) run to similar lengths: the first to finish
 # predicts the rest; without it, the samples of one prompt are a group
 GROUP_HEADER = "x-dprouter-group"
+# a request's id: the client's if fit, else the router's; to the engine and on the answer
+REQUEST_ID_HEADER = "x-request-id"
 
 
 def without(headers: CIMultiDictProxy[str], dropped: Iterable[str]) -> CIMultiDict[str]:
