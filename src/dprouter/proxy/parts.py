@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dprouter.config import RouterConfig
+from dprouter.core.tracing import Tracing
 from dprouter.fleet.registry import Registry
 from dprouter.proxy.abort import Aborter
 from dprouter.proxy.dispatch import Dispatcher
@@ -24,3 +25,4 @@ class ProxyParts:
     output: OutputEstimate  # a request's likely output, learned from the answers
     aborter: Aborter  # SGLang: a client that leaves aborts its request on the engine
     dispatch: Dispatcher  # holds requests while every rank's running slots are taken
+    tracing: Tracing  # each request's spans (off: no-ops) and its id

@@ -17,7 +17,8 @@ import orjson
 from aiohttp import web
 
 from dprouter.core.errors import Failed, UpstreamBroke, error
-from dprouter.core.headers import TARGET_HEADER
+from dprouter.core.headers import REQUEST_ID_HEADER, TARGET_HEADER
+from dprouter.core.tracing import request_id
 from dprouter.core.types import DialectName, Incoming, Kind
 from dprouter.engines import dialects
 from dprouter.engines.kvevents.computing import being_computed, wait_computed
@@ -60,6 +61,11 @@ class Proxy:
         self, request: web.Request, kind: Kind, dialect: DialectName | None = None
     ) -> web.StreamResponse:
         """``dialect``: only workers of that dialect serve this path (None: any)."""
+        return await self.parts.tracing.serve(request, kind, self._handle(request, kind, dialect))
+
+    async def _handle(
+        self, request: web.Request, kind: Kind, dialect: DialectName | None
+    ) -> web.StreamResponse:
         if kind == "generate":
             dialect = "sglang"  # SGLang's own
         p = self.parts
@@ -197,11 +203,18 @@ class Proxy:
             chosen = attempts.numbered(info)
             if self.placer is not None and placeable(chosen):
                 await self.placer.place(candidates, chosen)
+            tracing = self.parts.tracing
+            started_ns = tracing.clock()
             try:
                 counted = await self._count(candidates, chosen, incoming)
             except HeldTooLong as exc:
                 self.parts.metrics.rejected.labels("held_too_long").inc()
                 return error(503, str(exc))
+            tried = len(attempts.tried)
+            policy = self.policy.name
+            tracing.decision(
+                request, started_ns, policy, counted.target, len(candidates), tried, counted=counted
+            )
             computing: list[int] = []
             if found is not None and self.lookup is not None:
                 if plan is None:
@@ -264,6 +277,7 @@ class Proxy:
         dialect = target.worker.dialect or "vllm"
         # each attempt writes its own rank (vLLM's in a header, SGLang's in the body)
         sent = client.headers.copy()
+        sent[REQUEST_ID_HEADER] = request_id(request)
         body = dict(incoming.body) if dialect == "sglang" else incoming.body
         rid, named = ensure_rid(body) if dialect == "sglang" and not client.form else (None, False)
         if client.form:  # a form is not re-encoded: the rank goes in a header, for both
@@ -273,14 +287,19 @@ class Proxy:
             data = orjson.dumps(body)
         else:
             data = client.raw  # untouched: forward the client's bytes as they came
-        with p.aborter.on_cancel(target.worker, rid):
+        span = p.tracing.attempt(request, target.label, len(attempts.tried))
+        with span, p.aborter.on_cancel(target.worker, rid):
+            span.inject(sent)
             upstream = await p.upstream.post(target, request.path_qs, data, sent)
+            span.set("http.response.status_code", upstream.status)
             # an upload the engine began taking cannot go elsewhere: its answer stands
             spent = client.upload is not None and client.upload.begun
             p.retry.judge(target, upstream, spent or attempts.last_chance(candidates))
             try:
                 series = p.metrics.series(target)
-                answer = await relay(request, upstream, target, series, started, counted, watch)
+                answer = await relay(
+                    request, upstream, target, series, started, counted, watch, span=span
+                )
             except UpstreamBroke as exc:
                 raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
             attempts.answered(answer, target)

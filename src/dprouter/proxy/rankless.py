@@ -18,7 +18,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from dprouter.core.errors import Failed, UpstreamBroke, error
-from dprouter.core.headers import TARGET_HEADER
+from dprouter.core.headers import REQUEST_ID_HEADER, TARGET_HEADER
+from dprouter.core.tracing import request_id
 from dprouter.core.types import DialectName, Kind
 from dprouter.engines import dialects
 from dprouter.fleet.targets import Target, Worker
@@ -29,6 +30,7 @@ from dprouter.proxy.relay import relay
 from dprouter.proxy.retry import Attempts
 
 FAN_TIMEOUT = aiohttp.ClientTimeout(total=30.0)  # a fan-out call that hangs is reported
+LEAST_BUSY = "least_busy_worker"  # how ``anyone`` chooses, as its decision spans name it
 
 
 class Rankless:
@@ -42,6 +44,12 @@ class Rankless:
         self, request: web.Request, kind: Kind | None, dialect: DialectName | None
     ) -> web.StreamResponse:
         """Forward to the least busy ready worker serving the body's model; no rank."""
+        answering = self._anyone(request, kind, dialect)
+        return await self.parts.tracing.serve(request, kind or "rankless", answering)
+
+    async def _anyone(
+        self, request: web.Request, kind: Kind | None, dialect: DialectName | None
+    ) -> web.StreamResponse:
         p = self.parts
         started = asyncio.get_running_loop().time()
         model, data, headers = None, b"", forwarded(request, p.config)
@@ -56,6 +64,7 @@ class Rankless:
         )
         if isinstance(pools, web.Response):
             return pools
+        started_ns = p.tracing.clock()
         firsts: dict[Worker, Target] = {}
         for t in pools[0]:
             firsts.setdefault(t.worker, t)
@@ -65,6 +74,8 @@ class Rankless:
         async def attempt(left: Pools) -> web.StreamResponse:
             (candidates,) = left
             target = candidates[0]  # no rank written: named by its worker alone
+            tried = len(attempts.tried)
+            p.tracing.decision(request, started_ns, LEAST_BUSY, target, len(candidates), tried)
             last_chance = attempts.last_chance(candidates)
             return await self.one(
                 request, target, data, headers, started, attempts, last_chance, target.worker.id
@@ -87,14 +98,20 @@ class Rankless:
         last chance the engine's answer, whatever it is, goes to the client."""
         p = self.parts
         method = request.method
-        upstream = await p.upstream.post(target, request.path_qs, data, headers, method=method)
-        p.retry.judge(target, upstream, last_chance)
-        try:
-            series = p.metrics.series(target)
-            extra = None if label is None else {TARGET_HEADER: label}
-            answer = await relay(request, upstream, target, series, started, extra=extra)
-        except UpstreamBroke as exc:
-            raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
+        headers[REQUEST_ID_HEADER] = request_id(request)
+        with p.tracing.attempt(request, target.label, len(attempts.tried)) as span:
+            span.inject(headers)  # each attempt's own, over the last one's
+            upstream = await p.upstream.post(target, request.path_qs, data, headers, method=method)
+            span.set("http.response.status_code", upstream.status)
+            p.retry.judge(target, upstream, last_chance)
+            try:
+                series = p.metrics.series(target)
+                extra = None if label is None else {TARGET_HEADER: label}
+                answer = await relay(
+                    request, upstream, target, series, started, extra=extra, span=span
+                )
+            except UpstreamBroke as exc:
+                raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc
         attempts.answered(answer, target)
         return answer
 
@@ -103,6 +120,12 @@ class Rankless:
     ) -> web.StreamResponse:
         """Forward to this one target (its rank written in its dialect): nowhere else
         would do. A failure is the client's to hear."""
+        answering = self._pinned(request, target, data)
+        return await self.parts.tracing.serve(request, "pinned", answering)
+
+    async def _pinned(
+        self, request: web.Request, target: Target, data: bytes
+    ) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
         headers = forwarded(request, self.parts.config)
         dialects.strip_client_rank(headers, {})

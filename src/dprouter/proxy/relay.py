@@ -18,7 +18,15 @@ import aiohttp
 from aiohttp import web
 
 from dprouter.core.errors import UpstreamBroke, grace_over, sse_error
-from dprouter.core.headers import HOP_BY_HOP, TARGET_HEADER, WEIGHT_VERSION_HEADER, without
+from dprouter.core.headers import (
+    HOP_BY_HOP,
+    REQUEST_ID_HEADER,
+    TARGET_HEADER,
+    WEIGHT_VERSION_HEADER,
+    without,
+)
+from dprouter.core.log_filter import REQUEST_ID
+from dprouter.core.tracing import NO_SPAN, Span
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.proxy.metrics import TargetSeries
 from dprouter.proxy.read_timeout import take_over
@@ -43,41 +51,51 @@ async def relay(
     counted: Outstanding | None = None,
     watch: Callable[[bytes], None] | None = None,
     extra: dict[str, str] | None = None,
+    span: Span = NO_SPAN,
 ) -> web.StreamResponse:
     """Answer ``request`` with ``upstream``; always closes or releases ``upstream``. A
     stream's events spend ``counted``'s output budget as they pass, and its chunks
-    pass ``watch`` (the Responses API learns a stream's response id so)."""
+    pass ``watch`` (the Responses API learns a stream's response id so). ``span``: the
+    attempt's, under which the relay has its own."""
     loop = asyncio.get_running_loop()
     # a multidict keeps repeated headers (two Set-Cookie, say) that a dict would merge away
     headers = without(upstream.headers, HOP_BY_HOP)
     headers[TARGET_HEADER] = target.label
+    rid = REQUEST_ID.get()
+    if rid is not None:  # the request's, not whatever id the engine answered with
+        headers[REQUEST_ID_HEADER] = rid
     if target.worker.weight_version is not None:
         headers[WEIGHT_VERSION_HEADER] = target.worker.weight_version
     if extra:
         headers.update(extra)
     done = False
     try:
-        if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-            try:
-                body = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise UpstreamBroke(f"{type(exc).__name__} {exc}") from exc
-            series.first_byte.observe(loop.time() - started)
-            resp: web.StreamResponse = web.Response(
-                status=upstream.status, body=body, headers=headers
-            )
-        else:
-            resp = web.StreamResponse(status=upstream.status, headers=headers)
-            try:
-                await resp.prepare(request)
-                request[STREAMING] = resp  # begun: whatever happens, this is the answer
-                await _stream(resp, upstream, target, series, started, counted, watch)
-            except aiohttp.ClientConnectionResetError as exc:
-                # a write found the client's connection closing: it left, and the
-                # cancellation that says so comes a loop turn later. It ends as a client
-                # that leaves does (the engine's connection closed, an SGLang engine told
-                # to abort), not as a stream the engine cut, nor as a router error
-                raise asyncio.CancelledError from exc
+        with span.relay() as relayed:
+            if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                try:
+                    body = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise UpstreamBroke(f"{type(exc).__name__} {exc}") from exc
+                series.first_byte.observe(loop.time() - started)
+                relayed.passed(len(body))
+                resp: web.StreamResponse = web.Response(
+                    status=upstream.status, body=body, headers=headers
+                )
+            else:
+                resp = web.StreamResponse(status=upstream.status, headers=headers)
+                try:
+                    await resp.prepare(request)
+                    request[STREAMING] = resp  # begun: whatever happens, this is the answer
+                    watch = relayed.watching(watch)  # off: ``watch`` as it was
+                    await _stream(resp, upstream, target, series, started, counted, watch)
+                    if was_cut(resp):
+                        relayed.set("dprouter.failure", "stream_cut")
+                except aiohttp.ClientConnectionResetError as exc:
+                    # a write found the client's connection closing: it left, and the
+                    # cancellation that says so comes a loop turn later. It ends as a client
+                    # that leaves does (the engine's connection closed, an SGLang engine told
+                    # to abort), not as a stream the engine cut, nor as a router error
+                    raise asyncio.CancelledError from exc
         done = True
     finally:
         if done:

@@ -86,6 +86,9 @@ class Responses:
         return error(404, f"response {rid!r} was on {label}, which is no longer a worker")
 
     async def create(self, request: web.Request) -> web.StreamResponse:
+        return await self.parts.tracing.serve(request, "responses", self._create(request))
+
+    async def _create(self, request: web.Request) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
         client = await read_request(request, "responses", self.parts.config, self.parts.metrics)
         if isinstance(client, web.Response):

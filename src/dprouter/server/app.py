@@ -16,6 +16,7 @@ from aiohttp import web
 from dprouter.config import RouterConfig, sources, validate
 from dprouter.core.errors import ConfigError, TokenizerError, error
 from dprouter.core.tls import EngineAccess
+from dprouter.core.tracing import Tracing
 from dprouter.core.types import Role
 from dprouter.engines.kvevents import prompt
 from dprouter.engines.kvevents.feed import Feed
@@ -233,6 +234,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.door.queued,
             parts.door.shed,
         ),
+        Tracing(config.tracing),
     )
     parts.rankless = Rankless(proxy_parts)
     if config.pd is not None:
@@ -274,3 +276,4 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.lookup.close()
         parts.breakers.stop()
         await session.close()
+        await proxy_parts.tracing.stop()  # what is left is exported

@@ -11,7 +11,8 @@ import orjson
 from aiohttp import web
 
 from dprouter.core.errors import Failed, UpstreamBroke
-from dprouter.core.headers import PREFILL_HEADER
+from dprouter.core.headers import PREFILL_HEADER, REQUEST_ID_HEADER
+from dprouter.core.tracing import NO_SPAN, Span, request_id
 from dprouter.core.types import Incoming, Side
 from dprouter.engines import dialects
 from dprouter.fleet.targets import Outstanding, Target
@@ -36,6 +37,7 @@ class Call:
     claimed: dict[Side, Outstanding] = field(default_factory=dict)
     # the decode leg's count, whose output budget its stream spends
     decoding: Outstanding | None = None
+    attempt: int = 0  # which attempt of the request runs (0: the first)
 
     @property
     def incoming(self) -> Incoming:
@@ -75,22 +77,31 @@ class Call:
             counted.__exit__()
         self.claimed.clear()
 
+    def leg(self, side: Side, target: Target) -> Span:
+        """The span of one leg (tracing off: ``NO_SPAN``), for the leg's block."""
+        return self.parts.tracing.attempt(self.request, target.label, self.attempt, side)
+
     async def send(
         self,
         side: Side,
         target: Target,
         body: dict[str, Any],
         headers: dict[str, str] | None = None,
+        span: Span = NO_SPAN,
     ) -> aiohttp.ClientResponse:
         """Post one leg with the target's rank in its dialect, under the attempt rules:
-        ``Failed`` when it is to be tried elsewhere, else the answer, whatever its status."""
+        ``Failed`` when it is to be tried elsewhere, else the answer, whatever its status.
+        ``span``: the leg's, the parent of what the engine does."""
         sent, payload = self.client.headers.copy(), dict(body)
-        sent.update(headers or {})
+        sent[REQUEST_ID_HEADER] = request_id(self.request)
+        sent.update(headers or {})  # MoRIIO's X-Request-Id is its own: it names both engines
+        span.inject(sent)
         if side == "prefill":  # its answer is read here, as JSON: not compressed
             sent["Accept-Encoding"] = "identity"
         dialects.write_rank(target.worker.dialect or "vllm", target.rank, sent, payload)
         path = self.request.path_qs
         resp = await self.parts.upstream.post(target, path, orjson.dumps(payload), sent, side)
+        span.set("http.response.status_code", resp.status)
         try:
             self.parts.retry.judge(target, resp, self.last_chance.get(side, True))
         except Failed as failure:
@@ -115,10 +126,14 @@ class Call:
             raise Failed(target, "broken_body", f"answer unreadable: {exc}", "prefill") from exc
 
     async def finish(
-        self, target: Target, upstream: aiohttp.ClientResponse, prefill: Target
+        self,
+        target: Target,
+        upstream: aiohttp.ClientResponse,
+        prefill: Target,
+        span: Span = NO_SPAN,
     ) -> web.StreamResponse:
         """Relay the answer of the decode leg (or of a prefill leg that answers the client
-        itself) to the client."""
+        itself) to the client; ``span``: that leg's."""
         try:
             return await relay(
                 self.request,
@@ -128,6 +143,7 @@ class Call:
                 self.started,
                 self.decoding if self.decoding and self.decoding.target is target else None,
                 extra={PREFILL_HEADER: prefill.label},
+                span=span,
             )
         except UpstreamBroke as exc:
             side: Side = "prefill" if target is prefill else "decode"

@@ -32,8 +32,8 @@ async def run_both(
     headers: dict[str, str],
 ) -> web.StreamResponse:
     async def prefill_leg() -> None:
-        with call.count("prefill", prefill):
-            resp = await call.send("prefill", prefill, prefill_body, headers)
+        with call.count("prefill", prefill), call.leg("prefill", prefill) as span:
+            resp = await call.send("prefill", prefill, prefill_body, headers, span)
             raw = await call.drain(prefill, resp)
             if resp.status != 200:
                 raise Answered(resp.status, raw, resp.headers.get("Content-Type", ""))
@@ -43,8 +43,8 @@ async def run_both(
         call.metrics.series(prefill).answered(200)
 
     ptask = asyncio.create_task(prefill_leg())
-    with call.count("decode", decode):
-        dtask = asyncio.create_task(call.send("decode", decode, decode_body, headers))
+    with call.count("decode", decode), call.leg("decode", decode) as span:
+        dtask = asyncio.create_task(call.send("decode", decode, decode_body, headers, span))
         try:
             await asyncio.wait({ptask, dtask}, return_when=asyncio.FIRST_EXCEPTION)
             if ptask.done() and (failure := ptask.exception()) is not None:
@@ -58,4 +58,4 @@ async def run_both(
             await cancel(ptask)
             await cancel(dtask)
             raise
-        return await call.finish(decode, upstream, prefill)
+        return await call.finish(decode, upstream, prefill, span)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
@@ -75,6 +75,9 @@ class PairProxy:
         self.flow = flows[config.pd]
 
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        return await self.parts.tracing.serve(request, kind, self._handle(request, kind))
+
+    async def _handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         p = self.parts
         started = asyncio.get_running_loop().time()
         client = await read_request(request, kind, p.config, p.metrics)
@@ -115,6 +118,7 @@ class PairProxy:
                     if placer := self.placers.get(side):
                         await placer.place(candidates, replace(chosen, pool=(side, incoming.model)))
             model = incoming.model
+            started_ns = p.tracing.clock()
             if self.lock is None:
                 prefill, decode = self.pairing.choose(prefills, decodes, chosen, model, prefixes)
             else:
@@ -129,6 +133,8 @@ class PairProxy:
                             decode, tokens, incoming.output, incoming.samples
                         ).claim(),
                     }
+            call.attempt = len(attempts.tried)
+            self.traced(call, started_ns, (prefills, decodes), (prefill, decode))
             computing = self.computing(found, prefill)
             self.sent(found, {"prefill": prefill, "decode": decode}, started)
             call.last_chance = {
@@ -150,6 +156,22 @@ class PairProxy:
             return answer
 
         return await attempts.run(pools, attempt, "prefill/decode pair")
+
+    def traced(
+        self,
+        call: Call,
+        started_ns: int,
+        pools: tuple[Sequence[Target], Sequence[Target]],
+        pair: tuple[Target, Target],
+    ) -> None:
+        """A decision span per side: each side's policy chose its target."""
+        tracing = self.parts.tracing
+        policies = (self.pairing.prefill.name, self.pairing.decode.name)
+        for side, policy, pool, target in zip(SIDES, policies, pools, pair, strict=True):
+            counted = call.claimed.get(side)  # several serving processes: counted already
+            tracing.decision(
+                call.request, started_ns, policy, target, len(pool), call.attempt, side, counted
+            )
 
     async def find(
         self, kind: Kind, incoming: Incoming, pools: Pools, now: float
