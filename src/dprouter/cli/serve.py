@@ -34,7 +34,7 @@ def option(flag: str, name: str | None = None, **kw: Any) -> Callable[[FC], FC]:
     if field == "processes":
         default = str(default)  # N or auto: the option takes text
     if field == "classes":
-        default = ",".join(default)  # one text, split by the option's callback
+        default = ",".join(RouterConfig().classes)  # one text, split by the option's callback
     show = default is not None and not kw.get("is_flag", False) and default != ()
     return click.option(flag, field, default=default, show_default=show, **kw)
 
