@@ -95,6 +95,7 @@ def build_app(
             AdmissionOptions(config.max_concurrent, config.queue_size, config.queue_timeout)
         ),
         door=door(identity, registry, metrics),
+        tracing=Tracing(config.tracing),
         identity=identity,
         access=access,
         control=control,
@@ -234,7 +235,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.door.queued,
             parts.door.shed,
         ),
-        Tracing(config.tracing),
+        parts.tracing,
     )
     parts.rankless = Rankless(proxy_parts)
     if config.pd is not None:

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from dprouter.config import RouterConfig
 from dprouter.core.tls import EngineAccess
+from dprouter.core.tracing import Tracing
 from dprouter.core.types import Role
 from dprouter.engines.kvevents.feed import Feed
 from dprouter.engines.kvevents.lookup import Lookup
@@ -80,6 +81,7 @@ class Parts:
     breakers: Breakers
     door: Door  # who sent each request, their limits and class
     identity: Identity  # whose credential a request carries; the admin check
+    tracing: Tracing  # spans (--tracing) and request ids, from the front door on
     access: EngineAccess = field(default_factory=EngineAccess)  # engines' TLS and keys
     drain: Drain = field(default_factory=Drain)  # requests in flight, for a graceful stop
     response_ids: ResponseIds = field(default_factory=ResponseIds)  # which target made each

@@ -29,25 +29,36 @@ async def guarded(parts: Parts, request: web.Request, call: Call | Kind) -> web.
         p.metrics.rejected.labels("stopping").inc()
         return closing(error(503, "the router is stopping; retry", headers=STOPPING))
     task = p.drain.enter()
+    tracing = p.tracing
     try:
-        entry = await p.door.enter(request)
-        if isinstance(entry, web.Response):
-            return entry
-        try:
-            refused = await p.admission.enter()
-            if refused is not None:
-                p.metrics.rejected.labels("overloaded").inc()
-                message = f"the router is at capacity ({refused}); retry later"
-                return error(429, message, headers={"Retry-After": "1"})
-            try:  # a stream holds its slot until its last byte
-                if isinstance(call, str):
-                    assert p.proxy is not None
-                    return await p.proxy.handle(request, call)
-                return await call()
+        with tracing.request(request, call if isinstance(call, str) else "engine"):
+            started = tracing.clock()
+            entry = await p.door.enter(request)
+            if isinstance(entry, web.Response):
+                tracing.admission(request, started, {"dprouter.outcome": entry.status})
+                return entry
+            try:
+                refused = await p.admission.enter()
+                caller = entry.caller
+                said: dict[str, str | int | float] = {
+                    "dprouter.tenant": caller.tenant,
+                    "dprouter.class": caller.priority,
+                }
+                if refused is not None:
+                    tracing.admission(request, started, {**said, "dprouter.outcome": 429})
+                    p.metrics.rejected.labels("overloaded").inc()
+                    message = f"the router is at capacity ({refused}); retry later"
+                    return error(429, message, headers={"Retry-After": "1"})
+                tracing.admission(request, started, {**said, "dprouter.outcome": "admitted"})
+                try:  # a stream holds its slot until its last byte
+                    if isinstance(call, str):
+                        assert p.proxy is not None
+                        return await p.proxy.handle(request, call)
+                    return await call()
+                finally:
+                    p.admission.leave()
             finally:
-                p.admission.leave()
-        finally:
-            p.door.leave(entry)  # its tenant's place in flight
+                p.door.leave(entry)  # its tenant's place in flight
     except asyncio.CancelledError as exc:
         if not grace_over(exc):
             raise  # the client left
