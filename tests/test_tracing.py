@@ -9,6 +9,7 @@ import gzip
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,6 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from dprouter.config import RouterConfig
+from dprouter.core.tracing import Tracing
 from dprouter.core.types import PdMode
 from dprouter.sim.http.server import SimServer
 from dprouter.sim.model.config import EngineConfig
@@ -280,6 +282,36 @@ async def test_a_request_id_is_kept_if_fit_else_made_and_goes_everywhere(
     # an answer the router makes itself names the request too
     async with http.post(url, data=b"{", headers={"X-Request-Id": "broken-1"}) as r:
         assert (r.status, r.headers["x-request-id"]) == (400, "broken-1")
+
+
+async def test_the_front_doors_root_and_admission_spans(
+    receiver: Receiver, http: aiohttp.ClientSession
+) -> None:
+    """What the routes call: the root span of a request (one, however often asked for),
+    and the admission span under it, from the time it began to queue."""
+    tracing = Tracing(True)
+
+    async def door(request: web.Request) -> web.Response:
+        queued = time.time_ns()
+        # the door's root, then the proxy's, which finds it there: none of its own
+        with tracing.request(request, "chat"), tracing.request(request, "chat"):
+            admitted = {"dprouter.tenant": "t1", "dprouter.outcome": "in"}
+            tracing.admission(request, queued, admitted)
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", door)
+    async with serving(app, health=False) as url:
+        headers = {"traceparent": traceparent()}
+        async with http.post(url + "/v1/chat/completions", headers=headers) as r:
+            assert r.status == 200
+    await tracing.stop()  # flushed
+    root = one(receiver.of(TRACE), "POST /v1/chat/completions")
+    assert root.parent == CLIENT_SPAN and root.attributes["dprouter.kind"] == "chat"
+    admission = one(receiver.of(TRACE), "admission")
+    assert admission.parent == root.id
+    assert admission.attributes == {"dprouter.tenant": "t1", "dprouter.outcome": "in"}
+    assert len(receiver.of(TRACE)) == 2
 
 
 async def test_tracing_off_exports_nothing(

@@ -208,8 +208,9 @@ class Tracing:
     def request(self, request: web.Request, kind: str) -> contextlib.AbstractContextManager[None]:
         """The root span of one routed request (SERVER), for the block: its parent the
         request's W3C ``traceparent``/``tracestate``, the request's id an attribute, and
-        itself kept in the request (``SPAN``) for the spans below it. None when tracing
-        is off or the request has one already (the front door made it)."""
+        itself kept in the request (``SPAN``) for the spans below it. A block that does
+        nothing when tracing is off, or when the request has its root already (the
+        front door made it, and the proxy asks again)."""
         if self.tracer is None or SPAN in request:
             return NULL
         return self._root(request, kind)
