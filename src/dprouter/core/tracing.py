@@ -289,13 +289,18 @@ class Tracing:
     ) -> web.StreamResponse:
         """``answering`` under the request's root span (``request``), its id decided first
         (``request_id``) and put on the answer (a stream's, by the relay)."""
-        rid = request_id(request)
+        request_id(request)
         with self.request(request, kind):
-            answer = await answering
-            if self.tracer is not None:
-                request[SPAN].set("http.response.status_code", answer.status)
+            return self.answered(request, await answering)
+
+    def answered(self, request: web.Request, answer: web.StreamResponse) -> web.StreamResponse:
+        """``answer``, named by the request's id (unless already sent: a stream's is named
+        by the relay), its status on the root span: for every answer, the router's own
+        refusals too."""
         if not answer.prepared:
-            answer.headers[REQUEST_ID_HEADER] = rid
+            answer.headers[REQUEST_ID_HEADER] = request_id(request)
+        if self.tracer is not None and SPAN in request:
+            request[SPAN].set("http.response.status_code", answer.status)
         return answer
 
     async def stop(self) -> None:
