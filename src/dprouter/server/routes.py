@@ -12,12 +12,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dprouter.core.errors import error, grace_over
-from dprouter.core.types import Kind, Role
+from dprouter.core.tracing import Tracing
+from dprouter.core.types import Caller, Kind, Role
 from dprouter.proxy.relay import STREAMING
 from dprouter.server.openapi import describe
 from dprouter.server.parts import Parts
 
 STOPPING = {"Retry-After": "1"}  # and Connection: close (see closing)
+STOPPED = "the router is stopping; retry"
 Call = Callable[[], Awaitable[web.StreamResponse]]
 
 
@@ -25,31 +27,27 @@ async def guarded(parts: Parts, request: web.Request, call: Call | Kind) -> web.
     """``call``: what answers, or the kind of request the proxy answers (the hot paths
     name it rather than pass a partial)."""
     p = parts
+    tracing = p.tracing
     if p.drain.draining:  # a kept-alive connection's next request, after SIGTERM
         p.metrics.rejected.labels("stopping").inc()
-        return closing(error(503, "the router is stopping; retry", headers=STOPPING))
+        return tracing.answered(request, closing(error(503, STOPPED, headers=STOPPING)))
     task = p.drain.enter()
-    tracing = p.tracing
     try:
         with tracing.request(request, call if isinstance(call, str) else "engine"):
             started = tracing.clock()
             entry = await p.door.enter(request)
             if isinstance(entry, web.Response):
-                tracing.admission(request, started, {"dprouter.outcome": entry.status})
-                return entry
+                admission(tracing, request, started, None, entry.status)
+                return tracing.answered(request, entry)
             try:
                 refused = await p.admission.enter()
-                caller = entry.caller
-                said: dict[str, str | int | float] = {
-                    "dprouter.tenant": caller.tenant,
-                    "dprouter.class": caller.priority,
-                }
                 if refused is not None:
-                    tracing.admission(request, started, {**said, "dprouter.outcome": 429})
+                    admission(tracing, request, started, entry.caller, 429)
                     p.metrics.rejected.labels("overloaded").inc()
                     message = f"the router is at capacity ({refused}); retry later"
-                    return error(429, message, headers={"Retry-After": "1"})
-                tracing.admission(request, started, {**said, "dprouter.outcome": "admitted"})
+                    answer = error(429, message, headers={"Retry-After": "1"})
+                    return tracing.answered(request, answer)
+                admission(tracing, request, started, entry.caller, "admitted")
                 try:  # a stream holds its slot until its last byte
                     if isinstance(call, str):
                         assert p.proxy is not None
@@ -68,9 +66,26 @@ async def guarded(parts: Parts, request: web.Request, call: Call | Kind) -> web.
         if begun is not None:  # its last words are written
             return begun
         message = "the router stopped: its grace period ran out before the engine answered"
-        return closing(error(503, message, headers=STOPPING))
+        return tracing.answered(request, closing(error(503, message, headers=STOPPING)))
     finally:
         p.drain.leave(task)
+
+
+def admission(
+    tracing: Tracing,
+    request: web.Request,
+    started: int,
+    caller: Caller | None,
+    outcome: str | int,
+) -> None:
+    """The admission span: the front door and the --max-concurrent queue, who the caller
+    was (None: refused before it was known) and how it ended. Off: nothing is built."""
+    if not tracing.on:
+        return
+    said: dict[str, str | int | float] = {"dprouter.outcome": outcome}
+    if caller is not None:
+        said |= {"dprouter.tenant": caller.tenant, "dprouter.class": caller.priority}
+    tracing.admission(request, started, said)
 
 
 def closing(resp: web.Response) -> web.Response:
