@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dprouter.config import RouterConfig
 from dprouter.core.net import bind, url_of
 from dprouter.fleet.worker_spec import WorkerSpec
+from dprouter.multiproc.supervisor import Supervisor
 from dprouter.server.router import Router
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.model.config import EngineConfig
@@ -255,3 +256,23 @@ async def metric_by(
             if s.name == name and label in s.labels:
                 out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
     return out
+
+
+StartProcesses = Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]]
+
+
+@pytest.fixture
+async def start_processes() -> AsyncIterator[StartProcesses]:
+    started: list[Supervisor] = []
+
+    async def start(config: RouterConfig) -> Supervisor:
+        sup = Supervisor(replace(config, port=0, processes=2, grace=min(config.grace, 5.0)))
+        started.append(sup)
+        await sup.start()
+        assert await sup.settled(10), "discovery did not settle"
+        return sup
+
+    yield start
+    for sup in started:
+        if not sup.stopping:
+            await sup.stop()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,16 @@ import yaml
 
 from dprouter.config import RouterConfig
 from dprouter.core.types import Caller, Incoming
-from dprouter.multiproc.supervisor import Supervisor
 from dprouter.proxy.dispatch import Held, Line
 from dprouter.sim.model.config import CostModel, EngineConfig, RankLimits
-from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
+from tests.conftest import (
+    StartCluster,
+    StartProcesses,
+    StartRouter,
+    metric_sum,
+    until,
+    workers,
+)
 
 SGLANG = EngineConfig(
     persona="sglang",
@@ -123,23 +128,6 @@ async def test_a_tenants_requests_in_flight_are_capped_until_one_ends(
     assert (await status(http, router.url, body("after")))[0] == 200
 
 
-@pytest.fixture
-async def start_processes() -> AsyncIterator[Callable[[RouterConfig], Coroutine[Any, Any, Any]]]:
-    started: list[Supervisor] = []
-
-    async def start(config: RouterConfig) -> Supervisor:
-        sup = Supervisor(replace(config, port=0, processes=2, grace=2.0))
-        started.append(sup)
-        await sup.start()
-        assert await sup.settled(10), "discovery did not settle"
-        return sup
-
-    yield start
-    for sup in started:
-        if not sup.stopping:
-            await sup.stop()
-
-
 async def fresh_post(url: str, sent: dict[str, Any]) -> int:
     """One request on a connection of its own, so either serving process may take it."""
     connector = aiohttp.TCPConnector(force_close=True)
@@ -154,7 +142,7 @@ async def fresh_post(url: str, sent: dict[str, Any]) -> int:
 async def test_limits_hold_exactly_across_two_serving_processes(
     tmp_path: Path,
     start_cluster: StartCluster,
-    start_processes: Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]],
+    start_processes: StartProcesses,
 ) -> None:
     (engine,) = (await start_cluster([EngineConfig(dp_size=2, time_scale=0.1)])).servers
     limits = {"requests_per_second": 0.01, "burst": 1000}  # 10 requests in all
@@ -170,7 +158,7 @@ async def test_limits_hold_exactly_across_two_serving_processes(
 async def test_requests_in_flight_hold_exactly_across_two_serving_processes(
     tmp_path: Path,
     start_cluster: StartCluster,
-    start_processes: Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]],
+    start_processes: StartProcesses,
 ) -> None:
     (engine,) = (await start_cluster([EngineConfig(dp_size=2, time_scale=1.0)])).servers
     config = RouterConfig(

@@ -13,7 +13,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -28,28 +28,10 @@ from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.proxy.output_budget import OutputEstimate
 from dprouter.sim.model.config import EngineConfig, Faults, PdConfig, RankLimits
-from tests.conftest import StartCluster, metric_sum, until, workers
+from tests.conftest import StartCluster, StartProcesses, metric_sum, until, workers
 
-StartProcesses = Callable[[RouterConfig], Coroutine[Any, Any, Supervisor]]
 LONG: dict[str, Any] = {"prompt": "a long answer", "max_tokens": 3000, "stream": True}
 SHORT: dict[str, Any] = {"prompt": "route me", "max_tokens": 2}
-
-
-@pytest.fixture
-async def start_processes() -> AsyncIterator[StartProcesses]:
-    started: list[Supervisor] = []
-
-    async def start(config: RouterConfig) -> Supervisor:
-        sup = Supervisor(replace(config, port=0, processes=2, grace=min(config.grace, 5.0)))
-        started.append(sup)
-        await sup.start()
-        assert await sup.settled(10), "discovery did not settle"
-        return sup
-
-    yield start
-    for sup in started:
-        if not sup.stopping:
-            await sup.stop()
 
 
 def fresh() -> aiohttp.ClientSession:
