@@ -172,6 +172,49 @@ async def test_requests_in_flight_hold_exactly_across_two_serving_processes(
     assert len(engine.received) == 3
 
 
+async def test_held_requests_go_by_class_across_two_serving_processes(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_processes: StartProcesses,
+) -> None:
+    """4 running slots (2 ranks x 2), 4 long low requests run in them and 12 more are held,
+    each on a connection of its own: either serving process holds it. Then 4 high ones
+    arrive the same way. Each slot that frees goes to a high one, whichever process it
+    freed in and whichever holds the highs: the classes hold across processes."""
+    (engine,) = (await start_cluster([replace(SGLANG, time_scale=1.0)])).servers
+    config = RouterConfig(
+        workers=workers(engine.url), tenants=tenants_file(tmp_path, {"set_class": True})
+    )
+    sup = await start_processes(config)
+    slots = [t.slot for t in sup.registry.targets()]
+    assert await until(lambda: all(sup.board.cap[slots]))  # the engine's caps are read
+
+    async def post(text: str, tokens: int, priority: str) -> int:
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with (
+            aiohttp.ClientSession(connector=connector) as s,
+            s.post(
+                sup.url + "/v1/completions",
+                json=body(text, tokens),
+                headers={"X-Priority": priority},
+            ) as r,
+        ):
+            await r.read()
+            return r.status
+
+    running = [asyncio.create_task(post(f"run{i}", 300, "low")) for i in range(4)]
+    assert await until(lambda: len(engine.received) == 4)
+    lows = [asyncio.create_task(post(f"low{i}", 8, "low")) for i in range(12)]
+    await asyncio.sleep(0.3)  # all held by now
+    highs = [asyncio.create_task(post(f"high{i}", 8, "high")) for i in range(4)]
+    await asyncio.sleep(0.3)
+    assert len(engine.received) == 4, "the runners ended before the highs were held"
+    statuses = await asyncio.gather(*running, *lows, *highs)
+    assert statuses == [200] * 20
+    prompts = [r.body["prompt"] for r in engine.received]
+    assert sorted(prompts[4:8]) == [f"high{i}" for i in range(4)], prompts
+
+
 async def test_held_requests_go_by_class_and_a_full_queue_sheds_the_lowest(
     tmp_path: Path,
     start_cluster: StartCluster,

@@ -39,7 +39,10 @@ output lengths (``output_budget``): a model's key, its typical length in thousan
 then the tenants' limits (``proxy/limiter.py``): ``buckets[TENANTS][BUCKETS]`` (a
 tenant name's hash, 0: free; two token buckets, each a level and when it was last
 filled) and ``own_flights[rows][TENANTS]``, each process's requests in flight per
-tenant (a killed process's are released with its other rows).
+tenant (a killed process's are released with its other rows); last, for the
+dispatcher under ``--processes``, ``own_wanted[rows][slots]``: per process and slot, the
+highest class it holds a request for there (``WANTED`` - the class's number; 0: none),
+and ``wanting[rows]``: 1 while a process's row of it has any.
 """
 
 from __future__ import annotations
@@ -73,10 +76,12 @@ MODELS = 64  # models whose typical output length the board keeps (more: kept pe
 
 TENANTS = 4096  # tenants with limits the board keeps at once (``proxy/limiter.py``)
 BUCKETS = 5  # a tenant's cells: its name's hash, then two token buckets (level, stamp)
+WANTED = 1 << 20  # own_wanted's cells: this less the class's number (0, the highest, first)
 
 
 def size_of(rows: int, slots: int = SLOTS, tenants: int = TENANTS) -> int:
-    return ((3 * rows + ROWS) * slots + 2 + 2 * MODELS + (BUCKETS + rows) * tenants) * 8
+    cells = (4 * rows + ROWS) * slots + 2 + 2 * MODELS + (BUCKETS + rows) * tenants + rows
+    return cells * 8
 
 
 class Board:
@@ -138,6 +143,11 @@ class Board:
         self.buckets = whole[buckets : buckets + BUCKETS * tenants].reshape(tenants, BUCKETS)
         flights = buckets + BUCKETS * tenants
         self.own_flights = whole[flights : flights + rows * tenants].reshape(rows, tenants)
+        # the dispatcher's held requests: per process, the highest class held per slot
+        wanted = flights + rows * tenants
+        self.own_wanted = whole[wanted : wanted + rows * slots].reshape(rows, slots)
+        wanting = wanted + rows * slots
+        self.wanting = whole[wanting : wanting + rows]
         # the rows policies read, one cell per slot (an itemgetter over slots reads many)
         self.load_cells = self.cells[self.load_base : self.load_base + slots]
         self.token_load_cells = self.cells[self.token_load_base : self.token_load_base + slots]
@@ -150,6 +160,7 @@ class Board:
         del self.tokens
         del self.reported, self.load, self.base, self.reported_tokens, self.token_load
         del self.token_base, self.work, self.cap, self.kv, self.buckets, self.own_flights
+        del self.own_wanted, self.wanting
         self.load_cells.release()
         self.token_load_cells.release()
         self.cells.release()
@@ -290,6 +301,8 @@ class Board:
         self.own_tokens[row, :] = 0
         self.own_work[row, :] = 0
         self.own_flights[row, :] = 0  # its tenants' requests in flight too
+        self.wanting[row] = 0  # and the requests it held
+        self.own_wanted[row, :] = 0
 
     # -- slots: handed out by the one process that owns membership ------------------
 

@@ -41,7 +41,11 @@ fleet's).
 Under ``--processes`` every process keeps its own queue, and a slot is taken under
 the board lock after looking at the shared board: the caps hold exactly across
 processes. A process learns of a slot another process freed by looking again every
-few milliseconds while it holds requests. Longest first holds within each process.
+few milliseconds while it holds requests. The classes hold across processes: each puts
+on the board, per target, the highest class it holds a request for, and no process
+takes a slot there for a lower class (else the process a slot freed in would hand it
+to its own first in line, whatever another held). Tenants' shares and longest first
+hold within each process.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import numpy.typing as npt
 
 from dprouter.config import RouterConfig
 from dprouter.core.types import Caller, DispatchMode, Incoming
+from dprouter.fleet.board import WANTED, Board
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.policies.base import readers
@@ -231,6 +236,7 @@ class Dispatcher:
         )  # each pool's slots on the board, as the policies read it
         self._poller: asyncio.Task[None] | None = None
         self._pumping = False
+        self._marked: list[tuple[Board, npt.NDArray[np.intp]]] = []  # see _publish
         if options.mode != "off":
             output.listeners.append(self._regroup)
 
@@ -262,6 +268,8 @@ class Dispatcher:
             room = self._kv_room(board.token_load[index], board.kv[index], kv)
         else:
             return None
+        if self.lock is not None:  # another process may hold a higher class for these
+            room &= self._not_ahead(board, index, priority)
         if room.all():
             return candidates
         return [candidates[int(i)] for i in np.flatnonzero(room)]
@@ -272,6 +280,41 @@ class Dispatcher:
         what the router sent since: fresh between reports) is below ``bound`` thousandths
         of their KV capacity; a target whose capacity is not known has room."""
         return (kv == 0) | (tokens * 1000 < kv * bound)
+
+    @staticmethod
+    def _not_ahead(board: Board, index: npt.NDArray[np.intp], priority: int) -> Any:
+        """Targets no other serving process holds a request of a class above ``priority``
+        for (``_publish``): it takes their slots first."""
+        others = np.flatnonzero(board.wanting)
+        others = others[others != board.row]
+        if not len(others):
+            return True
+        return board.own_wanted[others[:, None], index].max(axis=0) <= WANTED - priority
+
+    def _publish(self) -> None:
+        """Under ``--processes``: put on the board, per target, the highest class this
+        process holds a request for (each pool's first in line), in one step, so that the
+        others leave it those targets' slots."""
+        if self.lock is None:
+            return
+        marks: list[tuple[Board, npt.NDArray[np.intp], int]] = []
+        for line in self.queues.values():
+            first = line.first()
+            if first is not None:
+                reader = self.readers.of(first.candidates)
+                priority = first.incoming.caller.priority
+                marks.append((reader.board, reader.index, WANTED - priority))
+        if not marks and not self._marked:
+            return
+        board = (marks[0] if marks else self._marked[0])[0]  # every pool's is the registry's
+        with board.step():
+            mine = board.own_wanted[board.row]
+            for _, index in self._marked:
+                mine[index] = 0
+            for _, index, wanted in marks:
+                mine[index] = np.maximum(mine[index], wanted)
+            board.wanting[board.row] = 1 if marks else 0
+        self._marked = [(b, index) for b, index, _ in marks]
 
     def _take(
         self, candidates: Sequence[Target], pick: Pick, incoming: Incoming
@@ -407,6 +450,7 @@ class Dispatcher:
                     first.done.set_result(counted)
                 if not line:
                     del self.queues[pool]
+            self._publish()
         finally:
             self._pumping = False
 
