@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from dprouter.config import RouterConfig
 from dprouter.multiproc.supervisor import Supervisor
-from dprouter.server.identity import OPEN, REFETCH
+from dprouter.server.identity import LEEWAY, OPEN, REFETCH
 from dprouter.sim.model.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, metric_sum, reserve_port, serving, workers
 
@@ -324,6 +324,48 @@ async def test_a_jwt_is_verified_against_the_issuers_keys_and_maps_tenant_and_ro
     assert issuer.hits == {"config": 1, "jwks": 1}
     logged = "\n".join(f"{r.getMessage()} {r.args!r}" for r in caplog.records)
     assert user not in logged and admin not in logged
+
+
+async def test_a_tokens_signature_is_checked_once_until_it_expires(
+    issuer: Issuer,
+    monkeypatch: pytest.MonkeyPatch,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    """A client reusing its token has it verified once (PyJWT's decode counted); a token
+    near its expiry is kept no longer than that: verified again after, and refused once
+    past it (with the leeway)."""
+    decoded: list[str] = []
+    decode = jwt.decode
+
+    def counted(token: str, *args: Any, **kwargs: Any) -> Any:
+        decoded.append(token)
+        return decode(token, *args, **kwargs)
+
+    monkeypatch.setattr(jwt, "decode", counted)
+    (engine,) = (await start_cluster([SGLANG])).servers
+    config = RouterConfig(workers=workers(engine.url), jwt_issuer=issuer.url)
+    router = await start_router(config)
+    completions = router.url + "/v1/completions"
+    user = issuer.token("k1")
+    for _ in range(5):
+        assert (await call(http, "POST", completions, bearer(user), PROMPT))[0] == 200
+    assert decoded == [user]
+    # expires in 1 s: kept until then, then verified again (the leeway lets it pass)
+    soon = issuer.token("k1", exp=int(time.time()) + 1)
+    assert (await call(http, "POST", completions, bearer(soon), PROMPT))[0] == 200
+    assert (await call(http, "POST", completions, bearer(soon), PROMPT))[0] == 200
+    assert decoded.count(soon) == 1
+    await asyncio.sleep(1.5)
+    assert (await call(http, "POST", completions, bearer(soon), PROMPT))[0] == 200
+    assert decoded.count(soon) == 2
+    # past its expiry and the leeway: refused, though it was verified twice before
+    late = issuer.token("k1", exp=int(time.time()) - LEEWAY + 1)
+    assert (await call(http, "POST", completions, bearer(late), PROMPT))[0] == 200
+    await asyncio.sleep(1.5)
+    status, text, _ = await call(http, "POST", completions, bearer(late), PROMPT)
+    assert status == 401 and "expired" in text, text
 
 
 async def test_a_new_key_id_is_fetched_but_forged_ones_do_not_flood_the_issuer(
