@@ -29,7 +29,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from dprouter.config import RouterConfig
 from dprouter.multiproc.supervisor import Supervisor
-from dprouter.server.identity import LEEWAY, OPEN, REFETCH
+from dprouter.server.identity import OPEN
+from dprouter.server.issuer import LEEWAY, REFETCH
 from dprouter.sim.model.config import EngineConfig
 from tests.conftest import StartCluster, StartRouter, metric_sum, reserve_port, serving, workers
 
