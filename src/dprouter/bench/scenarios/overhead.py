@@ -46,7 +46,8 @@ DISPATCH = {
 }
 # the front door on: an API key checked and a tenant's three limits kept per request
 # (never reached); tracing: every request's spans made and exported (to the backend,
-# which drops them). Off, as in "dprouter", the door costs what the tests of
+# which drops them), or one request's in ten (the standard sampler variables, as a
+# fleet would trace). Off, as in "dprouter", the door costs what the tests of
 # bench overhead's checks say.
 KEY = "bench-key"
 TENANTS = {
@@ -64,7 +65,10 @@ TENANTS = {
 DOOR = {
     "dprouter, key and limits": ("--tenants",),
     "dprouter, tracing": ("--tracing",),
+    "dprouter, tracing 1 in 10": ("--tracing",),
 }
+SAMPLED = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+ENV = {"dprouter, tracing 1 in 10": SAMPLED}
 HEADERS = {"dprouter, key and limits": {"Authorization": f"Bearer {KEY}"}}
 BARE_SCRIPT = Path(__file__).parents[1] / "harness" / "bare.py"
 ROUNDS = 4  # interleaved rounds per full run: the machine's noise falls on every router alike
@@ -109,6 +113,7 @@ async def start_router(
                 options.append(str(tenants_file()))
             if "--tracing" in options:
                 env["OTEL_EXPORTER_OTLP_ENDPOINT"] = backend
+            env.update(ENV.get(kind, {}))
         argv = [*DPROUTER, "serve", "--worker", f"{backend},dialect=vllm,dp_size=1", *options]
         proc = Proc([*argv, "--port", "0", "--load-interval", "0"], cpus=ROUTER_CORE, env=env)
         url = url_in(await proc.start(r"dprouter on http://"))
