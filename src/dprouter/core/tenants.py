@@ -22,6 +22,7 @@ stored key (to learn one from timings they would have to invert SHA-256).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -150,9 +151,9 @@ def parse_tenant(name: str, entry: Any, classes: Sequence[str], keys: bool) -> T
     chosen = entry.get("class", classes[(len(classes) - 1) // 2])
     if chosen not in classes:
         raise ConfigError(f"{where}: class {chosen!r} is not one of --classes {list(classes)}")
-    weight = entry.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
-        raise ConfigError(f"{where}: weight must be a number > 0, got {weight!r}")
+    weight = number(entry.get("weight", 1.0))
+    if weight is None or weight <= 0:
+        raise ConfigError(f"{where}: weight must be a number > 0, got {entry['weight']!r}")
     set_class = entry.get("set_class", False)
     if not isinstance(set_class, bool):
         raise ConfigError(f"{where}: set_class must be true or false")
@@ -161,7 +162,7 @@ def parse_tenant(name: str, entry: Any, classes: Sequence[str], keys: bool) -> T
         access,
         classes.index(chosen),
         set_class,
-        float(weight),
+        weight,
         parse_limits(where, entry.get("limits") or {}),
     )
 
@@ -169,19 +170,37 @@ def parse_tenant(name: str, entry: Any, classes: Sequence[str], keys: bool) -> T
 def parse_limits(where: str, entry: Any) -> Limits:
     if not isinstance(entry, dict) or set(entry) - LIMITS:
         raise ConfigError(f"{where}: limits takes {', '.join(sorted(LIMITS))}")
+    given: dict[str, float] = {}
     for name, value in entry.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        found = number(value)
+        if found is None or found < 0:
             raise ConfigError(f"{where}: limits.{name} must be a number >= 0, got {value!r}")
-    if "in_flight" in entry and entry["in_flight"] != int(entry["in_flight"]):
+        given[name] = found
+    if given.get("in_flight", 0) != int(given.get("in_flight", 0)):
         raise ConfigError(f"{where}: limits.in_flight must be a whole number")
-    if entry.get("burst", 1) <= 0:
+    if given.get("burst", 1) <= 0:
         raise ConfigError(f"{where}: limits.burst must be > 0 seconds")
     return Limits(
-        float(entry.get("requests_per_second", 0)),
-        float(entry.get("tokens_per_second", 0)),
-        float(entry.get("burst", 1)),
-        int(entry.get("in_flight", 0)),
+        given.get("requests_per_second", 0.0),
+        given.get("tokens_per_second", 0.0),
+        given.get("burst", 1.0),
+        int(given.get("in_flight", 0)),
     )
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a finite number, or None. Text that reads as one counts: YAML 1.1
+    (PyYAML) reads ``1e7`` and ``1.0e7`` as strings, wanting ``1.0e+7``."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def tenant_keys(name: str, entry: Mapping[str, Any], environ: Mapping[str, str]) -> list[bytes]:
