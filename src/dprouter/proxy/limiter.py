@@ -69,7 +69,8 @@ class Limiter:
             if row < 0:
                 return crowded(tenant)
             if limits.in_flight:
-                flying = int(board.own_flights[:, row].sum())
+                flights = board.own_flights  # one row a serving process: one cell when alone
+                flying = int(flights[:, row].sum()) if board.rows > 1 else flights.item(0, row)
                 if flying >= limits.in_flight:
                     message = (
                         f"tenant {tenant.name} has {flying} requests in flight, its limit "
@@ -123,7 +124,7 @@ class Limiter:
         now = self.clock()
         per_ns = rate * MICRO / 1e9
         full = int(rate * burst * MICRO)
-        level = int(cells[at + LEVEL]) + int((now - int(cells[at + STAMP])) * per_ns)
+        level = cells.item(at + LEVEL) + int((now - cells.item(at + STAMP)) * per_ns)
         level = min(level, full)
         need = amount * MICRO
         if level < min(need, full):  # a request above a whole bucket waits for it full
