@@ -124,7 +124,8 @@ class Limiter:
         now = self.clock()
         per_ns = rate * MICRO / 1e9
         full = int(rate * burst * MICRO)
-        level = cells.item(at + LEVEL) + int((now - cells.item(at + STAMP)) * per_ns)
+        stamp: int = cells.item(at + STAMP)
+        level: int = cells.item(at + LEVEL) + int((now - stamp) * per_ns)
         level = min(level, full)
         need = amount * MICRO
         if level < min(need, full):  # a request above a whole bucket waits for it full
