@@ -18,6 +18,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -129,6 +130,8 @@ class EngineProcess(abc.ABC):
         self._tmp: Path | None = None
         self._started_at = 0.0
         self._shm: set[Path] = set()  # /dev/shm files the group mapped: removed on stop
+        # an engine serving HTTPS (its --ssl-* options): how the test reaches it
+        self.tls: ssl.SSLContext | None = None
 
     # What a subclass fills in.
 
@@ -218,7 +221,7 @@ class EngineProcess(abc.ABC):
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{HOST}:{self.port}"
 
     def start(self) -> Self:
         if self.proc is not None:
@@ -259,7 +262,8 @@ class EngineProcess(abc.ABC):
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=self.health_timeout) as resp:
+            url, timeout = self.url + "/health", self.health_timeout
+            with urllib.request.urlopen(url, timeout=timeout, context=self.tls) as resp:
                 return bool(resp.status == 200)
         except (urllib.error.URLError, OSError):
             return False
