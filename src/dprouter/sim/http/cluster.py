@@ -22,8 +22,9 @@ class SimCluster(Service):
 
     With ``base_port`` 0 each engine binds a free port (``cluster.urls`` has the
     real ones); otherwise engine i listens on ``base_port + i``. ``api_key``: each
-    answers 401 without it, as the engines' ``--api-key``; ``tls``: each serves HTTPS
-    with that context (one that requires a client certificate, if it does).
+    answers 401 without it, as the engines' ``--api-key``; ``admin_key``: SGLang's
+    ``--admin-api-key``; ``tls``: each serves HTTPS with that context (one that requires a
+    client certificate, if it does).
     """
 
     def __init__(
@@ -34,6 +35,7 @@ class SimCluster(Service):
         prefix: str = "engine",
         api_key: str | None = None,
         tls: ssl.SSLContext | None = None,
+        admin_key: str | None = None,
     ) -> None:
         self.servers = [
             SimServer(
@@ -43,6 +45,7 @@ class SimCluster(Service):
                 base_port + i if base_port else 0,
                 api_key=api_key,
                 tls=tls,
+                admin_key=admin_key,
             )
             for i, c in enumerate(configs)
         ]

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dprouter.sim.http import sglang_info
+from dprouter.sim.http.auth import admin
 from dprouter.sim.http.generation import handle
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ class Endpoints:
         kv = self.server.kv
         return web.json_response(kv.sources() if kv is not None else {})
 
+    @admin
     async def abort_request(self, request: web.Request) -> web.Response:
         """By rid, every rid starting with it (``prefix``), or all (``abort_all``)."""
         try:

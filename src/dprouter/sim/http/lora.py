@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from dprouter.sim.http.auth import admin
 from dprouter.sim.model.kvevents import Adapter
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class Adapters:
 
     # -- SGLang ---------------------------------------------------------------------
 
+    @admin
     async def sglang_load(self, request: web.Request) -> web.Response:
         body = await _body(request)
         name, root = body.get("lora_name"), body.get("lora_path")
@@ -84,6 +86,7 @@ class Adapters:
         self._load(name, root)
         return self._sglang(True)
 
+    @admin
     async def sglang_unload(self, request: web.Request) -> web.Response:
         name = (await _body(request)).get("lora_name")
         if not isinstance(name, str) or name not in self.loaded:

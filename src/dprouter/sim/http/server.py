@@ -20,6 +20,7 @@ from dprouter.core.net import bind, url_of
 from dprouter.core.tls import https
 from dprouter.sim.http import endpoints
 from dprouter.sim.http.audio import Audio
+from dprouter.sim.http.auth import is_admin
 from dprouter.sim.http.endpoints import Handler
 from dprouter.sim.http.kvpublish import KvPublishers
 from dprouter.sim.http.lora import Adapters
@@ -75,10 +76,13 @@ class SimServer:
         max_body: int = 64 << 20,
         api_key: str | None = None,
         tls: ssl.SSLContext | None = None,
+        admin_key: str | None = None,
     ) -> None:
         self.config = config
-        # as the engines' --api-key: a request without it answers 401 (``refused`` counts)
+        # as the engines' --api-key: a request without it answers 401 (``refused`` counts);
+        # SGLang's --admin-api-key, its admin endpoints' (``auth.admin``) key instead
         self._key = hashlib.sha256(api_key.encode()).digest() if api_key else None
+        self._admin = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
         self.refused: Counter[str] = Counter()  # "GET /v1/loads": refused for want of the key
         self.tls = tls  # HTTPS (a client CA in it: a client certificate required)
         self.engine_id = engine_id
@@ -154,14 +158,19 @@ class SimServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """The engines' ``--api-key``: ``Authorization: Bearer KEY`` or 401, as they answer
-        it (compared by digest, in constant time, as vLLM does)."""
-        if self._key is None or request.method == "OPTIONS":
+        it (compared by digest, in constant time, as vLLM does). SGLang's admin endpoints
+        take its --admin-api-key alone where it has one, as its ``decide_request_auth``."""
+        if request.method == "OPTIONS" or not guarded(self.persona.name, request.path):
             return await handler(request)
-        if not guarded(self.persona.name, request.path):
+        wanted = self._key
+        sglang_admin = self.persona.name == "sglang" and is_admin(request.match_info.handler)
+        if self._admin is not None and sglang_admin:
+            wanted = self._admin
+        if wanted is None:
             return await handler(request)
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         digest = hashlib.sha256(given.encode()).digest()
-        if scheme.lower() == "bearer" and secrets.compare_digest(digest, self._key):
+        if scheme.lower() == "bearer" and secrets.compare_digest(digest, wanted):
             return await handler(request)
         self.refused[f"{request.method} {request.path}"] += 1
         return web.json_response({"error": "Unauthorized"}, status=401)

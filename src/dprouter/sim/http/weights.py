@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from dprouter.sim.http.auth import admin
+
 if TYPE_CHECKING:
     from dprouter.sim.http.server import SimServer
 
@@ -98,6 +100,7 @@ class Weights:
 
     # -- SGLang ---------------------------------------------------------------------
 
+    @admin
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await _object(request)
         if isinstance(body, web.Response):
@@ -108,10 +111,12 @@ class Weights:
         self.pause(mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
+    @admin
     async def continue_generation(self, _: web.Request) -> web.Response:
         self.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
+    @admin
     async def flush_cache(self, _: web.Request) -> web.Response:
         """Refused while requests run, unless a pause aborted or retracted them."""
         live = self.server.runner.live()
@@ -123,6 +128,7 @@ class Weights:
             "running or waiting requests, the operation will not be performed.)\n"
         )
 
+    @admin
     async def update_weights(self, request: web.Request) -> web.Response:
         body = await _object(request)
         if isinstance(body, web.Response):
@@ -141,6 +147,7 @@ class Weights:
             answer["num_paused_requests"] = 0
         return web.json_response(answer)
 
+    @admin
     async def update_weight_version(self, request: web.Request) -> web.Response:
         said = await _new_version(request)
         if isinstance(said, web.Response):
@@ -157,14 +164,17 @@ class Weights:
             }
         )
 
+    @admin
     async def release_memory(self, _: web.Request) -> web.Response:
         self.asleep = True
         return web.Response(status=200)
 
+    @admin
     async def resume_memory(self, _: web.Request) -> web.Response:
         self.asleep = False
         return web.Response(status=200)
 
+    @admin
     async def succeed(self, request: web.Request) -> web.Response:
         return web.json_response({"success": True, "message": f"{request.path[1:]} done"})
 
