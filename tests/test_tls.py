@@ -314,6 +314,53 @@ async def test_the_key_goes_with_every_call_and_the_clients_own_does_not(
     assert not [r for r in caplog.records if KEY in r.getMessage()]
 
 
+async def test_sglangs_admin_endpoints_get_its_admin_key_and_the_rest_its_api_key(
+    start_router: StartRouter, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang with --api-key and --admin-api-key: its admin endpoints (the engine commands,
+    /abort_request) take the admin key alone, the others the API key alone. Given only
+    the API key, the router's flush and abort are refused, and the refused abort is said;
+    given both, each call carries the right one."""
+    caplog.set_level(logging.WARNING)
+    admin = "sk-engine-admin-19"
+    sglang = EngineConfig(persona="sglang", dp_size=2)
+    body = {"prompt": "a long story", "max_tokens": 5000}  # not streamed: nothing to notice
+
+    async def leave(router_url: str) -> None:
+        leaving = asyncio.create_task(http.post(router_url + "/v1/completions", json=body))
+        assert await until(lambda: any(r.num_running for r in engine.engine.ranks))
+        leaving.cancel()
+
+    async with SimCluster([sglang], api_key=KEY, admin_key=admin) as cluster:
+        (engine,) = cluster.servers
+        plain = await start_router(RouterConfig(workers=workers(engine.url), engine_api_key=KEY))
+        (worker,) = plain.registry.workers.values()
+        assert worker.ready  # discovery: the API key's endpoints
+        async with http.post(plain.url + "/flush_cache") as r:
+            answer = await r.json()
+        assert r.status != 200 and [w["status"] for w in answer["workers"]] == [401]
+        await leave(plain.url)
+        assert await until(lambda: engine.refused["POST /abort_request"] == 1)
+        assert await until(lambda: any("--engine-admin-key" in m for m in caplog.messages))
+        assert not engine.abort_requests
+        await plain.stop()
+        # an abort is refused, not lost: the engine ran it out; now with both keys
+        assert await until(lambda: not any(r.num_running for r in engine.engine.ranks), 30)
+        config = RouterConfig(
+            workers=workers(engine.url), engine_api_key=KEY, engine_admin_key=admin
+        )
+        both = await start_router(config)
+        async with http.post(both.url + "/flush_cache") as r:
+            assert r.status == 200, await r.text()
+        async with http.post(both.url + "/v1/completions", json=PROMPT) as r:
+            assert r.status == 200  # the API key still, where the admin key is refused
+        await leave(both.url)
+        assert await until(lambda: len(engine.abort_requests) == 1)
+        assert engine.refused == {"POST /abort_request": 1, "POST /flush_cache": 1}
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert admin not in logged and KEY not in logged
+
+
 async def test_without_the_key_the_engine_never_becomes_ready(
     start_router: StartRouter, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -120,6 +120,9 @@ class RouterConfig:
     engine_cert: str | None = None
     engine_key: str | None = None
     engine_api_key: str | None = None
+    # SGLang's --admin-api-key, for its admin endpoints (engine commands, aborts), which
+    # then take no other key (a worker's own admin_key wins)
+    engine_admin_key: str | None = None
     # OpenTelemetry traces, exported over OTLP as OTEL_EXPORTER_OTLP_* say; off: no cost
     tracing: bool = False
     # seconds a request waits while every worker that could serve it is paused or updating

@@ -498,6 +498,15 @@ def make_config(
     ),
 )
 @option(
+    "--engine-admin-key",
+    envvar="DPROUTER_ENGINE_ADMIN_KEY",
+    help=(
+        "Sent to SGLang engines' admin endpoints (engine commands, aborts) instead of the "
+        "API key: their --admin-api-key, which those endpoints then take alone; also read "
+        "from DPROUTER_ENGINE_ADMIN_KEY. A worker's own admin_key wins."
+    ),
+)
+@option(
     "--tracing",
     is_flag=True,
     help="Export OpenTelemetry traces over OTLP, as OTEL_EXPORTER_OTLP_ENDPOINT and friends say.",

@@ -97,6 +97,7 @@ class EngineAccess:
 
     tls: ssl.SSLContext | None = None
     api_key: str | None = field(default=None, repr=False)
+    admin_key: str | None = field(default=None, repr=False)  # SGLang's --admin-api-key
 
     @classmethod
     def load(
@@ -105,8 +106,9 @@ class EngineAccess:
         cert: str | None = None,
         key: str | None = None,
         api_key: str | None = None,
+        admin_key: str | None = None,
     ) -> EngineAccess:
-        return cls(client_context(ca, cert, key), api_key or None)
+        return cls(client_context(ca, cert, key), api_key or None, admin_key or None)
 
     @property
     def connector_ssl(self) -> ssl.SSLContext | bool:
@@ -118,17 +120,26 @@ class EngineAccess:
         key = own or self.api_key
         return None if key is None else f"Bearer {key}"
 
+    def admin_authorization(self, own_admin: str | None, own: str | None) -> str | None:
+        """The ``Authorization`` value for an SGLang admin endpoint (its engine commands,
+        ``/abort_request``) of a worker whose own keys are ``own_admin`` and ``own``: the
+        admin key where one is given (SGLang's admin endpoints then take no other, and
+        its others not that one), else the API key."""
+        key = own_admin or self.admin_key
+        return f"Bearer {key}" if key is not None else self.authorization(own)
+
     def session(self, key_of: KeyOf, **options: Any) -> aiohttp.ClientSession:
         """A client session to engines: the TLS context on its connector, and each request
         given the key ``key_of`` names for the origin it goes to. Probes, scrapes, commands
         and lookups then need not each remember the key; a redirect to an origin that is
-        no worker's gets none."""
+        no worker's gets none. A request that names its own (an admin endpoint's) keeps
+        it."""
 
         async def keyed(
             request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
         ) -> aiohttp.ClientResponse:
             value = key_of(str(request.url.origin()))
-            if value is not None:
+            if value is not None and hdrs.AUTHORIZATION not in request.headers:
                 request.headers[hdrs.AUTHORIZATION] = f"Bearer {value}"
             return await handler(request)
 

@@ -236,4 +236,5 @@ def worker_from_spec(spec: WorkerSpec, registry: Registry) -> Worker:
         kv_replay=spec.kv_replay,
         kv_block_size=spec.kv_block_size,
         api_key=spec.api_key,
+        admin_key=spec.admin_key,
     )

@@ -35,6 +35,7 @@ class Worker:
     kv_replay: str | None = None  # its replay socket, likewise
     kv_block_size: int | None = None  # the engine's block size, before its first event says
     api_key: str | None = field(default=None, repr=False)  # its own; never shown
+    admin_key: str | None = field(default=None, repr=False)  # SGLang's --admin-api-key
     # learnt by discovery
     ranks: int = 0  # DP ranks this endpoint takes (0: not discovered yet)
     dp_attention: bool = False

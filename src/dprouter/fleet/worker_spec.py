@@ -60,10 +60,14 @@ class WorkerSpec:
     # never shown: not in repr, logs or error messages
     api_key: str | None = field(default=None, repr=False)
     api_key_env: str | None = None
+    # SGLang's --admin-api-key, for its admin endpoints (engine commands, aborts), which
+    # then take no other key (wins over --engine-admin-key); likewise never shown
+    admin_key: str | None = field(default=None, repr=False)
+    admin_key_env: str | None = None
 
 
 # fields whose values are secrets: an error names them, never what they hold
-SECRET_SUFFIXES = ("api_key", "token")
+SECRET_SUFFIXES = ("api_key", "admin_key", "token")
 
 SIMPLE_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
@@ -108,24 +112,25 @@ def check_worker(spec: WorkerSpec) -> WorkerSpec:
     if spec.rank_offset is not None and spec.rank_offset < 0:
         raise ConfigError(f"worker {url}: rank_offset must be at least 0")
     check_kv_events(spec, url)
-    return replace(check_key(spec, url), url=url)
+    spec = check_key(spec, url, "api_key")
+    return replace(check_key(spec, url, "admin_key"), url=url)
 
 
-def check_key(spec: WorkerSpec, url: str) -> WorkerSpec:
-    """``api_key_env`` read into ``api_key`` (once: the spec then holds the key alone, so
+def check_key(spec: WorkerSpec, url: str, name: str) -> WorkerSpec:
+    """``{name}_env`` read into ``name`` (once: the spec then holds the key alone, so
     checking it again finds nothing to read); a missing variable fails here, loudly."""
-    if spec.api_key == "":
-        raise ConfigError(f"worker {url}: api_key is empty")
-    if spec.api_key_env is None:
+    key, env = getattr(spec, name), getattr(spec, f"{name}_env")
+    if key == "":
+        raise ConfigError(f"worker {url}: {name} is empty")
+    if env is None:
         return spec
-    if spec.api_key is not None:
-        raise ConfigError(f"worker {url}: give api_key or api_key_env, not both")
-    value = os.environ.get(spec.api_key_env)
+    if key is not None:
+        raise ConfigError(f"worker {url}: give {name} or {name}_env, not both")
+    value = os.environ.get(env)
     if not value:
-        raise ConfigError(
-            f"worker {url}: api_key_env names {spec.api_key_env}, which is not set (or empty)"
-        )
-    return replace(spec, api_key=value, api_key_env=None)
+        raise ConfigError(f"worker {url}: {name}_env names {env}, which is not set (or empty)")
+    found: dict[str, Any] = {name: value, f"{name}_env": None}
+    return replace(spec, **found)
 
 
 def own_key(worker: Worker) -> str | None:

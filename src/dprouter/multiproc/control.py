@@ -65,6 +65,7 @@ WORKER_FIELDS = (
     "kv_events",
     "kv_replay",
     "api_key",  # over the parent's Unix socket only
+    "admin_key",
     "ranks",
     "dp_attention",
     "models",

@@ -61,7 +61,11 @@ class Supervisor(Service):
         if config.tls_cert is not None and config.tls_key is not None:
             server_context(config.tls_cert, config.tls_key)
         access = EngineAccess.load(
-            config.engine_ca, config.engine_cert, config.engine_key, config.engine_api_key
+            config.engine_ca,
+            config.engine_cert,
+            config.engine_key,
+            config.engine_api_key,
+            config.engine_admin_key,
         )
         self.rows = config.process_count
         self._memory = SharedMemory(create=True, size=size_of(self.rows))

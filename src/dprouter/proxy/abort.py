@@ -3,7 +3,10 @@
 Closing the upstream connection stops a vLLM engine's generation; SGLang has
 not always noticed a closed connection (sglang #6280), so the router names
 the request by its ``rid`` -- the client's, or one it writes into the body --
-and asks the engine to abort it when the client disconnects.
+and asks the engine to abort it when the client disconnects. ``/abort_request`` is one
+of SGLang's admin endpoints: an engine started with ``--admin-api-key`` takes that key
+alone there (``EngineAccess.admin_authorization``); one that refuses the router's is
+said once per worker, loudly, for its generations would run on for nobody.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Aborter:
         self.session = session  # the attempts' own: its TLS context
         self.access = access or EngineAccess()  # ...and the key the engine wants
         self._pending: set[asyncio.Task[None]] = set()  # held so they are not collected
+        self._refused: set[str] = set()  # workers whose refusal was said
 
     def on_cancel(self, worker: Worker, rid: str | None) -> _Watch:
         return _Watch(self, worker, rid)
@@ -50,13 +54,22 @@ class Aborter:
 
     async def _post(self, worker: Worker, rid: str) -> None:
         url = worker.url + "/abort_request"
-        key = self.access.authorization(own_key(worker))
+        key = self.access.admin_authorization(worker.admin_key, own_key(worker))
         headers = {hdrs.AUTHORIZATION: key} if key is not None else None
         try:
             async with self.session.post(
                 url, json={"rid": rid}, headers=headers, timeout=ABORT_TIMEOUT
             ) as r:
                 await r.read()
+            if r.status in (401, 403) and worker.id not in self._refused:
+                self._refused.add(worker.id)
+                log.warning(
+                    "%s refused the abort of a request whose client left (%d): its "
+                    "generation runs on; an engine started with --admin-api-key needs it "
+                    "as --engine-admin-key or the worker's admin_key",
+                    worker.id,
+                    r.status,
+                )
         except (aiohttp.ClientError, TimeoutError) as exc:  # it may be gone altogether
             log.debug("abort of %s on %s failed: %s", rid, worker.id, exc)
 

@@ -74,7 +74,11 @@ def build_app(
     config = validate(config)
     # one TLS context and key for every call to an engine, made once
     access = EngineAccess.load(
-        config.engine_ca, config.engine_cert, config.engine_key, config.engine_api_key
+        config.engine_ca,
+        config.engine_cert,
+        config.engine_key,
+        config.engine_api_key,
+        config.engine_admin_key,
     )
     if registry is None:
         registry = Registry(dp_aware=config.dp_aware != "off")

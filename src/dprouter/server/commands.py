@@ -35,7 +35,7 @@ from dprouter.fleet import probe
 from dprouter.fleet.membership.labels import matches, parse_selector
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
-from dprouter.fleet.worker_spec import keys
+from dprouter.fleet.worker_spec import keys, own_key
 from dprouter.proxy.rankless import ask
 
 # what a command does to the router's view of a worker, once its engine said yes
@@ -54,6 +54,31 @@ class EngineCall:
     path: str
     method: str | None = None  # None: the client's
     translate: Translate | None = None  # None: the body as it came
+    admin: bool = False  # SGLang's admin endpoint: its --admin-api-key, where it has one
+
+
+# SGLang's admin endpoints among the commands (0.5.23: "admin optional"): with
+# --admin-api-key they take that key alone, and its other endpoints never take it
+SGLANG_ADMIN = frozenset(
+    {
+        "/pause_generation",
+        "/continue_generation",
+        "/abort_request",
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weight_version",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -91,7 +116,7 @@ def _vllm_abort(body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any] | 
 
 
 def _sglang(path: str, **kw: Any) -> dict[DialectName, EngineCall]:
-    return {"sglang": EngineCall(path, **kw)}
+    return {"sglang": EngineCall(path, admin=path in SGLANG_ADMIN, **kw)}
 
 
 def _vllm(path: str, **kw: Any) -> dict[DialectName, EngineCall]:
@@ -496,6 +521,10 @@ class Commands:
             query.update(extra)
             data = None if translated is None else orjson.dumps(translated)
         headers = {"Content-Type": "application/json"} if data is not None else {}
+        if call.admin:
+            key = self.access.admin_authorization(worker.admin_key, own_key(worker))
+            if key is not None:
+                headers["Authorization"] = key
         timeout = aiohttp.ClientTimeout(total=command.timeout)
         method = call.method or request.method
         url = worker.url + call.path
