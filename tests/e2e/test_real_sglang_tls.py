@@ -8,7 +8,6 @@ SGLang checks no client certificate (it has no option to require one)."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +17,7 @@ from e2e.sglang import server as sglang_server
 from dprouter.config import RouterConfig
 from dprouter.fleet.worker_spec import WorkerSpec
 from tests.conftest import StartRouter
+from tests.e2e.answers import served_by
 from tests.e2e.conftest import SUMMARY
 from tests.test_tls import Authority
 
@@ -62,11 +62,7 @@ async def test_sglangs_two_keys_over_https_each_where_the_engine_takes_it(
         router = await start_router(config)
         (worker,) = router.registry.workers.values()
         assert worker.ready and worker.ranks == 2  # discovered over HTTPS, with the API key
-        served: Counter[str] = Counter()
-        for _ in range(4):
-            async with http.post(router.url + "/v1/completions", json=BODY) as r:
-                assert r.status == 200, await r.text()
-                served[r.headers["x-dprouter-target"]] += 1
+        served = await served_by(http, router.url, BODY, 4)
         assert served == {"w0/0": 2, "w0/1": 2}, served
         async with http.post(router.url + "/flush_cache") as r:  # an admin endpoint
             answer = await r.json()

@@ -18,6 +18,7 @@ from dprouter.config import RouterConfig
 from dprouter.fleet.worker_spec import WorkerSpec
 from e2e import vllm_server
 from tests.conftest import StartRouter, until
+from tests.e2e.answers import served_by
 from tests.e2e.conftest import SUMMARY
 from tests.e2e.test_real_vllm import BODY, engine_counts
 from tests.test_tls import Authority
@@ -60,11 +61,7 @@ async def test_a_vllm_taking_only_mtls_and_its_key_is_served_through_the_router(
             router = await start_router(config)
             (worker,) = router.registry.workers.values()
             assert worker.ready and worker.ranks == 2  # discovered over mTLS, with the key
-            served: Counter[str] = Counter()
-            for _ in range(6):
-                async with http.post(router.url + "/v1/completions", json=BODY) as r:
-                    assert r.status == 200, await r.text()
-                    served[r.headers["x-dprouter-target"]] += 1
+            served = await served_by(http, router.url, BODY, 6)
             assert served == {"w0/0": 3, "w0/1": 3}, served
             # the engine counted them, per rank
             counts: Counter[str] = Counter()
