@@ -236,7 +236,7 @@ class Dispatcher:
         )  # each pool's slots on the board, as the policies read it
         self._poller: asyncio.Task[None] | None = None
         self._pumping = False
-        self._marked: list[tuple[Board, npt.NDArray[np.intp]]] = []  # see _publish
+        self._marked: list[tuple[Board, npt.NDArray[np.intp], int]] = []  # see _publish
         if options.mode != "off":
             output.listeners.append(self._regroup)
 
@@ -304,17 +304,19 @@ class Dispatcher:
                 reader = self.readers.of(first.candidates)
                 priority = first.incoming.caller.priority
                 marks.append((reader.board, reader.index, WANTED - priority))
-        if not marks and not self._marked:
-            return
+        # the readers' own arrays, by identity (those marked are held: no id is reused)
+        said = [(id(index), wanted) for _, index, wanted in marks]
+        if said == [(id(index), wanted) for _, index, wanted in self._marked]:
+            return  # as on the board already: no write, no lock (a pump runs every 5 ms)
         board = (marks[0] if marks else self._marked[0])[0]  # every pool's is the registry's
         with board.step():
             mine = board.own_wanted[board.row]
-            for _, index in self._marked:
+            for _, index, _ in self._marked:
                 mine[index] = 0
             for _, index, wanted in marks:
                 mine[index] = np.maximum(mine[index], wanted)
             board.wanting[board.row] = 1 if marks else 0
-        self._marked = [(b, index) for b, index, _ in marks]
+        self._marked = marks
 
     def _take(
         self, candidates: Sequence[Target], pick: Pick, incoming: Incoming
