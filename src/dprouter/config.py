@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dprouter.core.errors import ConfigError
+from dprouter.core.tls import EngineAccess
 from dprouter.core.types import PD_MODES, DispatchMode, DpAware, PdMode, Role, SamplesMode
 from dprouter.fleet.breakers import BreakerOptions
 from dprouter.fleet.membership import Source
@@ -178,6 +179,16 @@ class RouterConfig:
     def role_policy(self, role: Role) -> str:
         chosen = {"prefill": self.prefill_policy, "decode": self.decode_policy}.get(role)
         return chosen or self.policy_name
+
+    def engine_access(self) -> EngineAccess:
+        """The TLS context and keys every call to an engine carries (made once)."""
+        return EngineAccess.load(
+            self.engine_ca,
+            self.engine_cert,
+            self.engine_key,
+            self.engine_api_key,
+            self.engine_admin_key,
+        )
 
     def policy_options(self) -> PolicyOptions:
         return PolicyOptions(

@@ -32,7 +32,7 @@ from dprouter.config import RouterConfig, validate
 from dprouter.core.errors import ConfigError
 from dprouter.core.net import bind, url_of
 from dprouter.core.service import Service
-from dprouter.core.tls import EngineAccess, https, server_context
+from dprouter.core.tls import https, server_context
 from dprouter.fleet.board import Board, size_of
 from dprouter.fleet.board_lock import BoardLock, hand_back
 from dprouter.fleet.breakers import Breakers
@@ -60,13 +60,7 @@ class Supervisor(Service):
         self.tls = config.tls_cert is not None and config.tls_key is not None
         if config.tls_cert is not None and config.tls_key is not None:
             server_context(config.tls_cert, config.tls_key)
-        access = EngineAccess.load(
-            config.engine_ca,
-            config.engine_cert,
-            config.engine_key,
-            config.engine_api_key,
-            config.engine_admin_key,
-        )
+        access = config.engine_access()
         self.rows = config.process_count
         self._memory = SharedMemory(create=True, size=size_of(self.rows))
         self.board = Board(rows=self.rows, buffer=self._memory.buf)

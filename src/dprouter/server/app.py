@@ -73,13 +73,7 @@ def build_app(
     be the one that follows it."""
     config = validate(config)
     # one TLS context and key for every call to an engine, made once
-    access = EngineAccess.load(
-        config.engine_ca,
-        config.engine_cert,
-        config.engine_key,
-        config.engine_api_key,
-        config.engine_admin_key,
-    )
+    access = config.engine_access()
     if registry is None:
         registry = Registry(dp_aware=config.dp_aware != "off")
         for spec in config.workers:
