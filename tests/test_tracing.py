@@ -331,6 +331,37 @@ async def test_tracing_off_exports_nothing(
     assert engine.received[-1].headers["traceparent"] == traceparent()
 
 
+async def test_a_trace_sampled_out_records_nothing_and_tells_the_engine_so(
+    receiver: Receiver,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    """A client's trace not sampled (flags 00, the default sampler follows its parent):
+    no span of it exported, and the engine gets the same trace, still not sampled, from
+    the router's root; a sampled trace sent after it is recorded as before."""
+    (engine,) = (await start_cluster([EngineConfig(dp_size=2)])).servers
+    router = await start_router(RouterConfig(workers=workers(engine.url), tracing=True))
+    out = {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-00"}
+    for stream in (False, True):
+        body = {**PROMPT, "stream": stream}
+        async with http.post(router.url + "/v1/completions", json=body, headers=out) as r:
+            assert r.status == 200
+            await r.read()
+    sent = [r.headers["traceparent"].split("-") for r in engine.received]
+    assert [(t, flags) for _, t, _, flags in sent] == [(TRACE, "00")] * 2
+    assert all(parent != CLIENT_SPAN for _, _, parent, _ in sent)  # the router's root
+    later = "0af7651916cd43dd8448eb211c80319c"
+    headers = {"traceparent": traceparent(later)}
+    async with http.post(router.url + "/v1/completions", json=PROMPT, headers=headers) as r:
+        assert r.status == 200
+        await r.read()
+    await receiver.trace(later, {"POST /v1/completions", "decision", "attempt", "relay"})
+    await router.stop()  # all it had is exported
+    assert receiver.of(TRACE) == []
+    assert parents(engine, later) == [one(receiver.of(later), "attempt").id]
+
+
 OFF = """
 import asyncio, sys
 import aiohttp

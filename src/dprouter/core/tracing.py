@@ -22,6 +22,11 @@ exporter that reads the standard ``OTEL_EXPORTER_OTLP_*`` variables itself, the 
   engine: the target, the status, why it failed (a retry is a sibling attempt);
 - "relay", under the attempt whose answer reaches the client: bytes, reads, and the
   seconds from the engine's headers to the first byte of the body.
+
+A request whose trace the sampler leaves out (``OTEL_TRACES_SAMPLER``, or a client's
+``traceparent`` not sampled under a parent-based sampler) has its root and nothing
+below it: the engine gets the root's context, marked not sampled, and no span is made
+that would not be recorded (they cost 30-40 us a request, where the root costs 25).
 """
 
 from __future__ import annotations
@@ -134,14 +139,30 @@ class Span:
 NO_SPAN = Span()
 
 
+class Passing(Span):
+    """An engine call of a request whose trace is not recorded: no span of its own, the
+    root's context (not sampled) passed on to the engine, so that the engine's own
+    tracing follows the same decision."""
+
+    __slots__ = ("root", "tracing")
+
+    def __init__(self, root: OtelSpan, tracing: Tracing) -> None:
+        self.root = root
+        self.tracing = tracing
+
+    def inject(self, headers: MutableMapping[str, str]) -> None:
+        self.tracing.inject(self.root, headers)
+
+
 class Live(Span):
     """A span of OpenTelemetry's, while tracing is on."""
 
-    __slots__ = ("began", "bytes", "reads", "span", "tracing")
+    __slots__ = ("began", "bytes", "reads", "recording", "span", "tracing")
 
     def __init__(self, span: OtelSpan, tracing: Tracing) -> None:
         self.span = span
         self.tracing = tracing
+        self.recording = span.is_recording()  # False: sampled out, and so is all below it
         self.began = time.monotonic()
         self.bytes = self.reads = 0
 
@@ -221,9 +242,8 @@ class Tracing:
         """A finished "admission" span under the request's root, from ``started_ns``
         (``time.time_ns()``, OpenTelemetry's clock) to now: the time it queued at the
         front door, and ``attributes`` (tenant, class, outcome, ...)."""
-        if self.tracer is None or SPAN not in request:
+        if self.tracer is None or (root := self._recorded(request)) is None:
             return
-        root = request[SPAN].span
         span = self.tracer.start_span(
             "admission", self._in_context(root), attributes=attributes, start_time=started_ns
         )
@@ -248,9 +268,8 @@ class Tracing:
         chose ``target`` among ``candidates`` on the ``attempt``-th attempt (0: the first)
         for ``side``, and the load it saw there: the board's, less this request where
         ``counted`` already counts it (claimed with the pick)."""
-        if self.tracer is None or SPAN not in request:
+        if self.tracer is None or (root := self._recorded(request)) is None:
             return
-        root = request[SPAN].span
         load, tokens = target.load, target.token_load
         if counted is not None and counted.claimed:
             load, tokens = load - counted.requests, tokens - counted.tokens
@@ -274,15 +293,18 @@ class Tracing:
         """The span of one call to an engine (CLIENT) under the request's root: ``target``
         (its label), the ``attempt``-th of the request, ``side`` of a pair. Its block
         notes a failure (``Failed``: the cause) and ends it; ``inject`` it into the
-        headers sent, ``set`` the answer's status."""
-        if self.tracer is None or SPAN not in request:
+        headers sent, ``set`` the answer's status. A request sampled out gets a
+        ``Passing``: the engine is told so, and nothing is recorded."""
+        if self.tracer is None or (root := request.get(SPAN)) is None:
             return NO_SPAN
+        if not root.recording:
+            return Passing(root.span, self)
         attributes: dict[str, Value] = {
             "dprouter.target": target,
             "dprouter.attempt": attempt,
             "dprouter.side": side,
         }
-        return self.child(request[SPAN].span, "attempt", attributes, self._client)
+        return self.child(root.span, "attempt", attributes, self._client)
 
     async def serve(
         self, request: web.Request, kind: str, answering: Awaitable[web.StreamResponse]
@@ -310,6 +332,11 @@ class Tracing:
             await asyncio.to_thread(self.provider.shutdown)
 
     # -- while on ----------------------------------------------------------------------
+
+    def _recorded(self, request: web.Request) -> OtelSpan | None:
+        """The request's root span if its trace is recorded (sampled), else None."""
+        root = request.get(SPAN)
+        return root.span if root is not None and root.recording else None
 
     @contextlib.contextmanager
     def _root(self, request: web.Request, kind: str) -> Iterator[None]:
