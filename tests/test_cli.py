@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import subprocess
@@ -20,6 +21,8 @@ from tests.conftest import StartCluster
 async def test_sim_command_serves_engines_and_stops_on_sigterm(
     http: aiohttp.ClientSession,
 ) -> None:
+    """Two SGLang engines with their keys (one from the environment): the API key opens
+    the API, and SGLang's admin endpoints take the admin key alone."""
     cmd = [
         sys.executable,
         "-m",
@@ -34,9 +37,12 @@ async def test_sim_command_serves_engines_and_stops_on_sigterm(
         "--dp-attention",
         "--port",
         "0",
+        "--api-key",
+        "user-key",
     ]
+    env = {**os.environ, "DPROUTER_SIM_ADMIN_API_KEY": "admin-key"}
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+        *cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env
     )
     try:
         assert proc.stdout is not None
@@ -47,8 +53,17 @@ async def test_sim_command_serves_engines_and_stops_on_sigterm(
         ]
         urls = [line.split()[-1] for line in lines]
         assert all(u.startswith("http://127.0.0.1:") for u in urls) and urls[0] != urls[1]
+        user, admin = ({"Authorization": f"Bearer {k}"} for k in ("user-key", "admin-key"))
         async with http.get(urls[1] + "/server_info") as r:
+            assert r.status == 401
+        async with http.get(urls[1] + "/server_info", headers=user) as r:
             info = await r.json()
+        answered = []
+        for headers in (user, admin):
+            abort = {"rid": "x"}
+            async with http.post(urls[0] + "/abort_request", json=abort, headers=headers) as r:
+                answered.append(r.status)
+        assert answered == [401, 200]
         # SGLang 0.5.23's shape: attention-DP ranks in attn_dp_size
         assert (info["dp_size"], info["attn_dp_size"], info["enable_dp_attention"]) == (1, 2, True)
     finally:
@@ -66,6 +81,7 @@ async def test_sim_command_serves_engines_and_stops_on_sigterm(
             "Invalid value for --slow-rank: '3': expected RANK=FACTOR, e.g. 3=4.0",
         ),
         (["sim", "--slow-rank", "3=fast"], "'3=fast': expected RANK=FACTOR"),
+        (["sim", "--admin-api-key", "k"], "--admin-api-key is SGLang's: give --persona sglang"),
         (["serve", "--dp-aware", "on", "--worker", "http://127.0.0.1:1"], "'auto', 'off'"),
         (["serve", "--worker", "http://127.0.0.1:1/v1"], "has a path (/v1): give the engine's"),
         (["serve", "--worker", "http://127.0.0.1:1,dp_size=two"], "dp_size must be an integer"),

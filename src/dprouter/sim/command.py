@@ -229,6 +229,13 @@ def build(
     "(vLLM: /v1 and its other API prefixes; SGLang: all but /health, /ready, /metrics).",
 )
 @click.option(
+    "--admin-api-key",
+    envvar="DPROUTER_SIM_ADMIN_API_KEY",
+    default=None,
+    help="SGLang: its admin endpoints (flush, pause, weights, adapters, /abort_request) "
+    "take this key alone, as SGLang's --admin-api-key.",
+)
+@click.option(
     "--tls-cert",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
@@ -253,6 +260,7 @@ def sim(
     host: str,
     port: int,
     api_key: str | None,
+    admin_api_key: str | None,
     tls_cert: str | None,
     tls_key: str | None,
     tls_client_ca: str | None,
@@ -261,6 +269,8 @@ def sim(
     """Start N simulated engines with DP ranks and serve until interrupted."""
     if ctx.invoked_subcommand is not None:
         return
+    if admin_api_key and options["persona"] != "sglang":
+        raise click.UsageError("--admin-api-key is SGLang's: give --persona sglang")
     tls = tls_context(tls_cert, tls_key, tls_client_ca)
     try:
         path = options.pop("persona_file")
@@ -269,7 +279,8 @@ def sim(
         configs = build(options, base, given)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    asyncio.run(serve_cluster(configs, host, port, api_key or None, tls))
+    keys = (api_key or None, admin_api_key or None)
+    asyncio.run(serve_cluster(configs, host, port, *keys, tls))
 
 
 def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
@@ -291,6 +302,7 @@ async def serve_cluster(
     host: str,
     port: int,
     api_key: str | None = None,
+    admin_key: str | None = None,
     tls: ssl.SSLContext | None = None,
 ) -> None:
     stop = asyncio.Event()
@@ -300,7 +312,9 @@ async def serve_cluster(
     c = configs[0]
     prefix = c.persona if c.pd is None else f"{c.pd.role}"
     try:
-        cluster = SimCluster(configs, host, port, prefix=prefix, api_key=api_key, tls=tls)
+        cluster = SimCluster(
+            configs, host, port, prefix=prefix, api_key=api_key, admin_key=admin_key, tls=tls
+        )
         await cluster.start()
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
