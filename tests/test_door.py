@@ -21,8 +21,9 @@ import yaml
 
 from dprouter.config import RouterConfig
 from dprouter.core.types import Caller, Incoming
+from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.proxy.dispatch import Held, Line
-from dprouter.sim.model.config import CostModel, EngineConfig, RankLimits
+from dprouter.sim.model.config import CostModel, EngineConfig, PdConfig, RankLimits
 from tests.conftest import (
     StartCluster,
     StartProcesses,
@@ -259,6 +260,70 @@ async def test_held_requests_go_by_class_and_a_full_queue_sheds_the_lowest(
 
 def held(router: Any) -> int:
     return int(router.parts.proxy.parts.dispatch.held)
+
+
+async def test_pd_requests_are_held_by_class_until_a_decode_slot_frees(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    """SGLang P/D, a decode of 4 running slots (2 ranks x 2): 4 low requests run, 4 more
+    wait in the router, not on the engines; two high ones sent then go before them, on
+    both legs. Every request is answered, each leg sent once."""
+    prefill = EngineConfig(persona="sglang", pd=PdConfig("sglang", "prefill"), time_scale=0.3)
+    decode = replace(SGLANG, dp_attention=False, pd=PdConfig("sglang", "decode"))
+    cluster = await start_cluster([prefill, decode])
+    p, d = cluster.servers
+    specs = (WorkerSpec(p.url, role="prefill"), WorkerSpec(d.url, role="decode"))
+    config = RouterConfig(
+        pd="sglang", workers=specs, tenants=tenants_file(tmp_path, {"set_class": True})
+    )
+    router = await start_router(config)
+    low = [
+        asyncio.create_task(status(http, router.url, body(f"low{i}", 40), **{"X-Priority": "low"}))
+        for i in range(8)
+    ]
+    assert await until(lambda: len(d.received) == 4 and held(router) == 4)
+    assert len(p.received) == 4  # a held request's prefill waits with it
+    high = [
+        asyncio.create_task(status(http, router.url, body(f"high{i}", 4), **{"X-Priority": "high"}))
+        for i in range(2)
+    ]
+    assert await until(lambda: held(router) == 6)
+    answers = await asyncio.gather(*low, *high)
+    assert [s for s, _, _ in answers] == [200] * 10, answers
+    for engine in (p, d):
+        prompts = [r.body["prompt"] for r in engine.received]
+        assert prompts[4:6] == ["high0", "high1"], prompts  # before the held lows
+        assert sorted(prompts) == sorted([f"low{i}" for i in range(8)] + ["high0", "high1"])
+    assert max(rank.num_running for rank in d.engine.ranks) <= 2
+
+
+async def test_a_held_pd_request_that_times_out_or_is_left_leaves_no_count_behind(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """The decode's 4 slots taken: a P/D request held past ``--dispatch-wait`` gets a 503,
+    one whose client leaves while held reaches neither engine, and once all is done no
+    target of either role counts a request (no leg claimed for nothing)."""
+    prefill = EngineConfig(persona="sglang", pd=PdConfig("sglang", "prefill"), time_scale=0.3)
+    decode = replace(SGLANG, dp_attention=False, pd=PdConfig("sglang", "decode"))
+    p, d = (await start_cluster([prefill, decode])).servers
+    specs = (WorkerSpec(p.url, role="prefill"), WorkerSpec(d.url, role="decode"))
+    router = await start_router(RouterConfig(pd="sglang", workers=specs, dispatch_wait=0.5))
+    running = [asyncio.create_task(status(http, router.url, body(f"r{i}", 500))) for i in range(4)]
+    assert await until(lambda: len(d.received) == 4)
+    late = await status(http, router.url, body("late"))
+    assert late[0] == 503 and "no rank had a free running slot" in late[1]["error"]["message"]
+    left = asyncio.create_task(status(http, router.url, body("left")))
+    assert await until(lambda: held(router) == 1)
+    left.cancel()
+    await asyncio.gather(left, return_exceptions=True)
+    assert await until(lambda: held(router) == 0)
+    assert [s for s, _, _ in await asyncio.gather(*running)] == [200] * 4
+    prompts = {r.body["prompt"] for e in (p, d) for r in e.received}
+    assert prompts == {f"r{i}" for i in range(4)}
+    assert await until(lambda: all(t.load == 0 for t in router.registry.targets()))
 
 
 async def test_an_unknown_class_is_a_400_and_a_tenant_that_may_not_choose_keeps_its_own(

@@ -12,6 +12,12 @@ pool, as a plain request is over its own: the prefill pool's KV events (a prefil
 stores the prompt's blocks as it computes them), the decode pool's when the decode
 engines publish too. After each choice the prompt's blocks count as pending on the
 chosen target of each such side, so the next turn of a conversation finds them there.
+
+Under the dispatcher (``proxy/dispatch.py``) a pair is chosen once a decode rank has a
+free running slot for the request, in the order of the held (class, tenant, length):
+the decode runs a request for all its output, the prefill only for its prompt, so the
+decode's running slots are what a full fleet runs out of. Both legs are counted in the
+step that takes the slot.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from dprouter.engines.kvevents.computing import being_computed, wait_computed
 from dprouter.engines.kvevents.lookup import Found, Lookup
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
-from dprouter.policies import Policy, RequestInfo, needs_tokens
+from dprouter.policies import Policy, Prefix, RequestInfo, needs_tokens
+from dprouter.proxy.dispatch import HeldTooLong
 from dprouter.proxy.output_budget import learn
 from dprouter.proxy.parts import ProxyParts
 from dprouter.proxy.pd import moriio, nixl, sglang
@@ -119,7 +126,13 @@ class PairProxy:
                         await placer.place(candidates, replace(chosen, pool=(side, incoming.model)))
             model = incoming.model
             started_ns = p.tracing.clock()
-            if self.lock is None:
+            if p.dispatch.active:
+                try:
+                    prefill, decode = await self.held(call, prefills, decodes, chosen, prefixes)
+                except HeldTooLong as exc:
+                    p.metrics.rejected.labels("held_too_long").inc()
+                    return error(503, str(exc))
+            elif self.lock is None:
                 prefill, decode = self.pairing.choose(prefills, decodes, chosen, model, prefixes)
             else:
                 with self.lock:  # the pair and both counts, in one step for all processes
@@ -149,6 +162,7 @@ class PairProxy:
                 answer = await self.flow(call, prefill, decode)
             finally:
                 call.release()
+                p.dispatch.freed()  # its decode slot may go to a held request
             attempts.answered(answer, prefill, decode)
             p.metrics.paired(prefill, decode)
             if call.decoding is not None:
@@ -156,6 +170,35 @@ class PairProxy:
             return answer
 
         return await attempts.run(pools, attempt, "prefill/decode pair")
+
+    async def held(
+        self,
+        call: Call,
+        prefills: Sequence[Target],
+        decodes: Sequence[Target],
+        info: RequestInfo,
+        prefixes: Mapping[Side, Prefix],
+    ) -> tuple[Target, Target]:
+        """The pair, chosen under the dispatcher once a decode rank has a free slot for
+        the request (at once if one has and nobody waits), both legs claimed in that
+        step (under the board lock where there is one); ``HeldTooLong`` if none frees in
+        time or the request is shed."""
+        incoming = call.incoming
+        pair: list[Target] = []
+
+        def pick(free: Sequence[Target]) -> Outstanding:
+            prefill, decode = self.pairing.choose(prefills, free, info, incoming.model, prefixes)
+            call.claimed["prefill"] = Outstanding(prefill, incoming.tokens).claim()
+            pair[:] = (prefill, decode)
+            return Outstanding(decode, incoming.tokens, incoming.output, incoming.samples)
+
+        pool = ("decode", incoming.model, info.attempt)
+        try:
+            call.claimed["decode"] = await self.parts.dispatch.admit(decodes, incoming, pool, pick)
+        except BaseException:
+            call.release()  # a prefill claimed as the request left counts no more
+            raise
+        return pair[0], pair[1]
 
     def traced(
         self,
