@@ -354,8 +354,10 @@ async def test_under_overload_the_high_class_starts_as_fast_as_on_an_idle_fleet(
     token stays within 1.5x of the same stream's on the idle fleet (a running slot of each
     rank is kept for it: ``--reserve``), the low class is shed with 503s, and every
     request the router let in is answered."""
-    # a high request's prompt takes 40 ms to prefill, a decode step ~5 ms
-    cost = CostModel(step_base=0.005, prefill_per_token=2e-4)
+    # a high request's prompt takes 100 ms to prefill, a decode step ~5 ms: long enough
+    # that the event loop's jitter on a busy machine (all of it runs in this process)
+    # does not count for much against it
+    cost = CostModel(step_base=0.005, prefill_per_token=5e-4)
     slow = replace(SGLANG, limits=RankLimits(max_running=3), time_scale=1.0, cost=cost)
     (engine,) = (await start_cluster([slow])).servers
     config = RouterConfig(
