@@ -243,6 +243,43 @@ async def test_sglang_pd_a_session_key_keeps_its_pair(
     assert pairs["alice"] != pairs["bob"]  # two keys, placed on the least loaded pairs
 
 
+async def test_sglang_pd_requests_wait_in_the_router_for_a_decode_slot(
+    fleet: Fleet, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """One running slot per decode rank (``--dispatch-slots 1``): of 6 requests sent at
+    once, the decode runs 2 at a time (its own count, polled throughout), the router
+    holds the rest, and all 6 are answered."""
+    router = await start_router(router_config(fleet, dispatch_slots=1))
+    most, held_most = 0, 0
+
+    async def watch() -> None:
+        nonlocal most, held_most
+        for _ in range(3000):  # bounded: the requests take seconds
+            most = max(most, await decoding(http, fleet.decode))
+            held_most = max(held_most, router.parts.proxy.parts.dispatch.held)
+            await asyncio.sleep(0.02)
+
+    watching = asyncio.create_task(watch())
+    long = {"max_tokens": 64, "ignore_eos": True}
+    try:
+        answers = await asyncio.gather(
+            *(
+                ask(http, router.url, "/v1/completions", {**body("/v1/completions", s), **long})
+                for s in (False, True) * 3
+            )
+        )
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    assert [status for status, _, _ in answers] == [200] * 6, answers
+    assert all(finished(status, text, 64) for status, _, text in answers[::2])
+    assert 1 <= most <= 2 and held_most >= 3, (most, held_most)
+    SUMMARY.append(
+        f"SGLang P/D, --dispatch-slots 1 on a decode of DP 2, 6 requests at once: the decode "
+        f"ran at most {most} (its own count), the router held up to {held_most}; 6 of 6 served"
+    )
+
+
 def finished(status: int, text: str, tokens: int) -> bool:
     """Whether ``text`` is a whole completion of ``tokens`` tokens, its usage counted by
     the engine (a stream's in its last chunk), and no error."""
