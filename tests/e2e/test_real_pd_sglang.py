@@ -250,13 +250,15 @@ async def test_sglang_pd_requests_wait_in_the_router_for_a_decode_slot(
     once, the decode runs 2 at a time (its own count, polled throughout), the router
     holds the rest, and all 6 are answered."""
     router = await start_router(router_config(fleet, dispatch_slots=1))
+    proxy = router.parts.proxy
+    assert proxy is not None
     most, held_most = 0, 0
 
     async def watch() -> None:
         nonlocal most, held_most
         for _ in range(3000):  # bounded: the requests take seconds
             most = max(most, await decoding(http, fleet.decode))
-            held_most = max(held_most, router.parts.proxy.parts.dispatch.held)
+            held_most = max(held_most, proxy.parts.dispatch.held)
             await asyncio.sleep(0.02)
 
     watching = asyncio.create_task(watch())
