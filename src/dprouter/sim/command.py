@@ -279,8 +279,7 @@ def sim(
         configs = build(options, base, given)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    keys = (api_key or None, admin_api_key or None)
-    asyncio.run(serve_cluster(configs, host, port, *keys, tls))
+    asyncio.run(serve_cluster(configs, host, port, api_key or None, admin_api_key or None, tls))
 
 
 def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:

@@ -184,21 +184,20 @@ class PairProxy:
         step (under the board lock where there is one); ``HeldTooLong`` if none frees in
         time or the request is shed."""
         incoming = call.incoming
-        pair: list[Target] = []
 
         def pick(free: Sequence[Target]) -> Outstanding:
             prefill, decode = self.pairing.choose(prefills, free, info, incoming.model, prefixes)
             call.claimed["prefill"] = Outstanding(prefill, incoming.tokens).claim()
-            pair[:] = (prefill, decode)
             return Outstanding(decode, incoming.tokens, incoming.output, incoming.samples)
 
         pool = ("decode", incoming.model, info.attempt)
         try:
-            call.claimed["decode"] = await self.parts.dispatch.admit(decodes, incoming, pool, pick)
+            decoding = await self.parts.dispatch.admit(decodes, incoming, pool, pick)
         except BaseException:
             call.release()  # a prefill claimed as the request left counts no more
             raise
-        return pair[0], pair[1]
+        call.claimed["decode"] = decoding
+        return call.claimed["prefill"].target, decoding.target
 
     def traced(
         self,
