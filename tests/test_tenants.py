@@ -71,7 +71,7 @@ tenants:
         ({"keys": ["k"], "limits": {"in_flight": 2.5}}, "limits.in_flight must be a whole"),
         ({"keys": ["k"], "limits": {"in_flight": True}}, "limits.in_flight must be a number"),
         ({"keys": ["k"], "limits": {"requests_per_second": "nan"}}, "must be a number >= 0"),
-        ({"keys": "k"}, None),  # one key as text: taken
+        ({"keys": "sk-one"}, None),  # one key as text: taken whole
         ({"keys": [""]}, "tenant t: keys must be a list of text"),
         ({"key_env": ["MISSING"]}, "the environment variable MISSING holds no key"),
         ({"key_sha256": ["abcd"]}, "key_sha256 abcd... is not a SHA-256 digest"),
@@ -80,7 +80,8 @@ tenants:
 def test_each_mistake_is_named(tmp_path: Path, entry: dict[str, Any], said: str | None) -> None:
     text = yaml.safe_dump({"tenants": {"t": entry}})
     if said is None:
-        assert load(tmp_path, text).by_key("k") is not None
+        tenants = load(tmp_path, text)
+        assert tenants.by_key("sk-one") is not None and tenants.by_key("s") is None
         return
     with pytest.raises(ConfigError) as caught:
         load(tmp_path, text)

@@ -344,7 +344,8 @@ async def test_sglangs_admin_endpoints_get_its_admin_key_and_the_rest_its_api_ke
         assert await until(lambda: any("--engine-admin-key" in m for m in caplog.messages))
         assert not engine.abort_requests
         await plain.stop()
-        # an abort is refused, not lost: the engine ran it out; now with both keys
+        # the abort was refused: the generation ended only as the router stopped and closed
+        # its connection; now with both keys
         assert await until(lambda: not any(r.num_running for r in engine.engine.ranks), 30)
         config = RouterConfig(
             workers=workers(engine.url), engine_api_key=KEY, engine_admin_key=admin

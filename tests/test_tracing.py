@@ -386,7 +386,8 @@ async def main():
     finally:
         await router.stop()
         await cluster.stop()
-    print(sorted(m for m in sys.modules if m.split(".")[0] in ("opentelemetry", "jwt")))
+    door = ("opentelemetry", "jwt", "cryptography")
+    print(sorted(m for m in sys.modules if m.split(".")[0] in door))
 
 asyncio.run(main())
 """

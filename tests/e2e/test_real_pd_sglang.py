@@ -248,7 +248,7 @@ async def test_sglang_pd_requests_wait_in_the_router_for_a_decode_slot(
 ) -> None:
     """One running slot per decode rank (``--dispatch-slots 1``): of 6 requests sent at
     once, the decode runs 2 at a time (its own count, polled throughout), the router
-    holds the rest, and all 6 are answered."""
+    holds the rest, and all 6 are answered whole (their usage, streams' too)."""
     router = await start_router(router_config(fleet, dispatch_slots=1))
     proxy = router.parts.proxy
     assert proxy is not None
@@ -263,10 +263,16 @@ async def test_sglang_pd_requests_wait_in_the_router_for_a_decode_slot(
 
     watching = asyncio.create_task(watch())
     long = {"max_tokens": 64, "ignore_eos": True}
+    usage = {"stream_options": {"include_usage": True}}
     try:
         answers = await asyncio.gather(
             *(
-                ask(http, router.url, "/v1/completions", {**body("/v1/completions", s), **long})
+                ask(
+                    http,
+                    router.url,
+                    "/v1/completions",
+                    {**body("/v1/completions", s), **long, **(usage if s else {})},
+                )
                 for s in (False, True) * 3
             )
         )
@@ -274,7 +280,7 @@ async def test_sglang_pd_requests_wait_in_the_router_for_a_decode_slot(
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
     assert [status for status, _, _ in answers] == [200] * 6, answers
-    assert all(finished(status, text, 64) for status, _, text in answers[::2])
+    assert all(finished(status, text, 64) for status, _, text in answers), answers
     assert 1 <= most <= 2 and held_most >= 3, (most, held_most)
     SUMMARY.append(
         f"SGLang P/D, --dispatch-slots 1 on a decode of DP 2, 6 requests at once: the decode "

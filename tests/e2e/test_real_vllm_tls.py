@@ -1,6 +1,6 @@
 """dprouter to a real vLLM that takes only HTTPS with a client certificate and an API key
-(its own ``--ssl-*`` and ``--api-key`` options): discovery, health checks, load scrapes
-and requests all pass with the router's certificate and key, and the engine's own
+(its own ``--ssl-*`` and ``--api-key`` options): discovery, load scrapes and requests
+all pass with the router's certificate and key, and the engine's own
 figures show the requests on both ranks. The certificates are made in the test
 (``tests/test_tls.py``'s throwaway CA)."""
 
