@@ -213,6 +213,15 @@ class Registry:
             worker.held = why
             self.rebuild()
 
+    def set_weight_version(self, worker: Worker, version: str) -> bool:
+        """``worker`` serves weights ``version`` now; True when that is news (the snapshot
+        is rebuilt, so followers and requests waiting for those weights learn of it)."""
+        if worker.weight_version == version:
+            return False
+        worker.weight_version = version
+        self.rebuild()
+        return True
+
     def ready(self) -> list[Worker]:
         """Ready workers, held or not: those an engine command reaches."""
         return [w for w in self.workers.values() if w.ready and w.targets]

@@ -541,7 +541,7 @@ class Commands:
         if command.reads_version and ok and isinstance(answer, dict):
             version = answer.get("weight_version")
             if version is not None:
-                self._version(worker, str(version))
+                self.registry.set_weight_version(worker, str(version))
         if effect is None:
             return
         if effect == "pause":
@@ -554,14 +554,14 @@ class Commands:
             self._set(worker, "update", False)
             version = body.get("weight_version")
             if ok and version is not None:
-                self._version(worker, str(version))
+                self.registry.set_weight_version(worker, str(version))
         elif effect == "finish":
             self._set(worker, "begin", False)
             version = body.get("weight_version")
             if ok and version is not None:
-                self._version(worker, str(version))
+                self.registry.set_weight_version(worker, str(version))
         elif effect == "version" and ok and body.get("new_version") is not None:
-            self._version(worker, str(body["new_version"]))
+            self.registry.set_weight_version(worker, str(body["new_version"]))
         elif effect in ("sleep", "wake") and ok:
             self._set(worker, "sleep", effect == "sleep")
 
@@ -593,11 +593,6 @@ class Commands:
         elif what == "sleep":
             standing.asleep = on
         self.registry.hold(worker, standing.why())
-
-    def _version(self, worker: Worker, version: str) -> None:
-        if worker.weight_version != version:
-            worker.weight_version = version
-            self.registry.rebuild()  # followers and waiting requests learn of it
 
     async def listing(self, request: web.Request) -> web.Response:
         """``GET /v1/rl/workers``: each worker as an RL framework sees it."""
