@@ -80,6 +80,7 @@ class RouterConfig:
     health_failures: int = MONITOR.health_failures
     health_successes: int = MONITOR.health_successes
     health_timeout: float = MONITOR.health_timeout
+    version_interval: float = MONITOR.version_interval  # reads of the weights' versions
     first_byte_timeout: float = 0.0  # seconds to the answer's headers; 0: --read-timeout
     grace: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     # seconds between scrapes of engine-reported load; 0: off; None: 1, or 0.25 with
@@ -222,6 +223,7 @@ class RouterConfig:
             health_failures=self.health_failures,
             health_successes=self.health_successes,
             health_timeout=self.health_timeout,
+            version_interval=self.version_interval,
         )
 
     def breaker_options(self) -> BreakerOptions:
@@ -294,6 +296,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         "breaker_cooldown",
         "health_interval",
         "health_timeout",
+        "version_interval",
         "first_byte_timeout",
         "retry_backoff",
         "total_timeout",

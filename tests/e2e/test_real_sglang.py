@@ -323,6 +323,42 @@ async def test_an_rl_loop_through_dprouter_loses_no_request_across_a_weight_upda
     assert await until(lambda: in_flight() == 0)
 
 
+async def test_an_update_sent_straight_to_the_engine_is_what_the_router_says(
+    sglang_attn2: SglangServer, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """miles updates the engines itself, not through the router: from disk with a version,
+    then update_weight_version. A request pinned to the new weights goes without waiting
+    (the router reads the engine's version when it asks), and the answers' header is the
+    version the engine states in them. No periodic read: neither may depend on it."""
+    server = sglang_attn2
+    router = await start_router(config(server, hold_wait=120, version_interval=0))
+    url = router.url
+    weights = {"model_path": str(sglang_server.model_dir(server.model)), "weight_version": "31"}
+    async with http.post(server.url + "/update_weights_from_disk", json=weights) as r:
+        assert r.status == 200, await r.text()
+    assert router.registry.workers["w0"].weight_version != "31"  # the router was not told
+    pinned = post(http, url, "/generate", generate_body(), {"X-DPRouter-Weight-Version": ">=31"})
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    _, answer = await asyncio.wait_for(pinned(), 60)  # far below --hold-wait's 120 s
+    waited = loop.time() - began
+    assert answer["meta_info"]["weight_version"] == "31"
+    async with http.post(server.url + "/update_weight_version", json={"new_version": "32"}) as r:
+        assert r.status == 200, await r.text()
+    async with http.post(url + "/generate", json=generate_body()) as r:
+        assert r.status == 200, await r.text()
+        header = r.headers["x-dprouter-weight-version"]
+        said = (await r.json())["meta_info"]["weight_version"]
+    async with http.get(url + "/workers") as r:
+        listed = [w["weight_version"] for w in (await r.json())["workers"]]
+    SUMMARY.append(
+        f"sglang_attn2 engine-direct update: pinned >=31 served in {waited:.2f} s; "
+        f"then update_weight_version 32: header {header}, meta_info {said}, /workers {listed}"
+    )
+    assert header == said == "32"
+    assert listed == ["32"]
+
+
 async def test_the_engine_killed_mid_run_then_restarted(
     sglang_dp2: SglangServer, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:

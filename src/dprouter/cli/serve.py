@@ -343,6 +343,12 @@ def make_config(
     help="Seconds between GET /health of each worker (0: off).",
 )
 @option(
+    "--version-interval",
+    type=click.FloatRange(min=0),
+    help="Seconds between reads of each worker's weights version, so that updates sent "
+    "straight to an engine are seen (0: off; answers that state it are read regardless).",
+)
+@option(
     "--health-failures",
     type=click.IntRange(min=1),
     help="Consecutive failed health checks that take a worker out.",

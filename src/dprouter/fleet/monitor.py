@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -21,6 +22,7 @@ from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import keys
 
 log = logging.getLogger("dprouter.monitor")
+FRESH = 0.25  # seconds: versions read this recently are not read again on request
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class MonitorOptions:
     health_failures: int = 3  # consecutive failed checks before the worker is taken out
     health_successes: int = 2  # consecutive good checks before it is taken back
     health_timeout: float = 2.0  # seconds one check may take
+    # seconds between reads of each worker's weights version (SGLang's /model_info, vLLM's
+    # /weight_info), held workers included: an update sent straight to an engine, not
+    # through the router, is seen within this; 0 turns the reads off
+    version_interval: float = 5.0
 
 
 class Monitor:
@@ -50,6 +56,9 @@ class Monitor:
         self._discovering: dict[str, asyncio.Task[None]] = {}
         self._scraper: asyncio.Task[None] | None = None
         self._checker: asyncio.Task[None] | None = None
+        self._versioner: asyncio.Task[None] | None = None
+        self._reading: asyncio.Task[None] | None = None  # the versions' read under way
+        self._read_at = -1e9  # when the last read of the versions began (time.monotonic())
         self._unhealthy: dict[str, int] = {}  # worker id -> consecutive failed checks
         self.changed = asyncio.Event()  # set whenever a worker settles
 
@@ -68,9 +77,15 @@ class Monitor:
             self._scraper = asyncio.create_task(self._scrape_loop(), name="scrape")
         if self.options.health_interval > 0:
             self._checker = asyncio.create_task(self._health_loop(), name="health")
+        if self.options.version_interval > 0:
+            self._versioner = asyncio.create_task(self._version_loop(), name="versions")
 
     async def stop(self) -> None:
-        loops = [t for t in (self._scraper, self._checker) if t is not None]
+        loops = [
+            t
+            for t in (self._scraper, self._checker, self._versioner, self._reading)
+            if t is not None
+        ]
         tasks = [*self._discovering.values(), *loops]
         for t in tasks:
             t.cancel()
@@ -92,6 +107,55 @@ class Monitor:
         if worker.ready and worker.id in self.registry.workers:
             log.warning("worker %s refused a connection: out until it answers again", worker.id)
             self.watch(worker)
+
+    def stated(self, worker: Worker, version: str, asked: float) -> None:
+        """An answer of ``worker`` stated the weights' ``version`` it serves. Taken unless
+        the router changed the worker's version after the request was sent (``asked``,
+        ``time.monotonic()``): an answer made before an update may arrive after it."""
+        if version != worker.weight_version and asked >= worker.version_since:
+            self.registry.set_weight_version(worker, version)
+
+    async def read_versions(self) -> None:
+        """Read every ready worker's weights version now (a request waits for weights that
+        an engine may have already: updated straight, not through the router). Reads
+        under way are joined, not repeated; a new one starts at most every ``FRESH`` s."""
+        if self._reading is None:
+            if time.monotonic() - self._read_at < FRESH:
+                return
+            self._read_at = time.monotonic()
+            self._reading = asyncio.create_task(self._read_versions(), name="read-versions")
+            self._reading.add_done_callback(self._read_done)
+        await asyncio.shield(self._reading)
+
+    def _read_done(self, task: asyncio.Task[None]) -> None:
+        self._reading = None
+
+    async def _read_versions(self) -> None:
+        # vLLM says its version only with its RL routes on (VLLM_SERVER_DEV_MODE=1): a
+        # worker whose discovery found none is not asked again
+        ready = [
+            w
+            for w in self.registry.workers.values()
+            if w.ready and (w.dialect == "sglang" or w.weight_version is not None)
+        ]
+        said = await asyncio.gather(*(self._version(w) for w in ready))
+        for worker, version in zip(ready, said, strict=True):
+            if version is not None and worker.id in self.registry.workers:
+                self.registry.set_weight_version(worker, version)
+
+    async def _version(self, worker: Worker) -> str | None:
+        path = "/model_info" if worker.dialect == "sglang" else "/weight_info"
+        try:
+            async with asyncio.timeout(self.options.timeout):
+                return await probe.weight_version(self.session, worker.url, path)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("weights version of %s unavailable: %s", worker.id, exc)
+            return None
+
+    async def _version_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.version_interval)
+            await self.read_versions()
 
     def forget(self, worker_id: str) -> None:
         task = self._discovering.pop(worker_id, None)

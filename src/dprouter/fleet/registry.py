@@ -9,6 +9,7 @@ covers every rank of every worker evenly, whatever each worker's dp size.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,6 +220,7 @@ class Registry:
         if worker.weight_version == version:
             return False
         worker.weight_version = version
+        worker.version_since = time.monotonic()
         self.rebuild()
         return True
 

@@ -47,6 +47,7 @@ class Worker:
     # worker takes no new request just now (paused, updating its weights, asleep)...
     held: str | None = None
     weight_version: str | None = None  # ...and the weights' version it serves (None: unsaid)
+    version_since: float = 0.0  # time.monotonic() when the router last changed it
     targets: list[Target] = field(default_factory=list)
     # where the whole worker's load is counted (given by the registry that holds it)
     board: Board | None = field(default=None, repr=False)

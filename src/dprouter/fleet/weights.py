@@ -4,10 +4,24 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dprouter.core.errors import ConfigError
+
+# SGLang's answers state the version that made them: ``meta_info.weight_version`` in
+# /generate's (each stream event's too), ``metadata.weight_version`` in a whole OpenAI
+# answer (0.5.23, ``build_endpoint_weight_version_metadata``). Inside generated text the
+# quotes are escaped (\"weight_version\"), so only the field itself matches
+_STATED = re.compile(rb'"weight_version"\s*:\s*"([^"\\]{1,256})"')
+
+
+def stated(body: bytes) -> str | None:
+    """The weights' version an answer states, or None: it says none (vLLM's OpenAI
+    answers, SGLang's OpenAI streams). Costs a scan of the bytes: 3 us per 10 kB."""
+    found = _STATED.search(body)
+    return None if found is None else found.group(1).decode("utf-8", "replace")
 
 
 def _number(version: str) -> float | None:

@@ -49,6 +49,8 @@ SUSPECT = "suspect"  # "worker": it refused a connection
 FAILED, SUCCEEDED = "failed", "succeeded"  # "slot": an attempt's outcome, for the breakers
 REST = "rest"  # "slot", "seconds": the engine asked for a pause (Retry-After)
 SEEN = "seen"  # "row", "slot", "blocks": cache_aware sent a prompt's blocks there
+VERSION = "version"  # "worker", "version", "asked": an answer stated the weights' version
+VERSIONS = "versions"  # read the workers' weights versions now (a request waits for one)
 # what a serving process needs to know of a worker, besides its targets
 WORKER_FIELDS = (
     "id",
@@ -74,6 +76,7 @@ WORKER_FIELDS = (
     "error",
     "held",
     "weight_version",
+    "version_since",
     "slot",
 )
 
@@ -136,6 +139,7 @@ class ControlPlane:
         self.joined = asyncio.Event()  # set when one more starts listening
         self.started = time.time()  # the router's start, for the dashboard's uptime
         self.forwarded = 0  # batches of cache_aware's prefixes passed between processes
+        self._reads: set[asyncio.Task[None]] = set()  # versions read for a serving process
         self._followers: dict[int, asyncio.Queue[bytes | None]] = {}  # by row; None: a state
         self._due: set[int] = set()  # rows with a state queued already
         registry.listeners.append(self.changed)
@@ -231,6 +235,16 @@ class ControlPlane:
                 worker = self.registry.workers.get(event["worker"])
                 if worker is not None:
                     self.monitor.suspect(worker)
+                continue
+            if kind == VERSION:
+                worker = self.registry.workers.get(event["worker"])
+                if worker is not None:
+                    self.monitor.stated(worker, event["version"], event["asked"])
+                continue
+            if kind == VERSIONS:  # not awaited: the events' post answers at once
+                read = asyncio.create_task(self.monitor.read_versions())
+                self._reads.add(read)
+                read.add_done_callback(self._reads.discard)
                 continue
             target: Target | None = by_slot.get(event["slot"])
             if target is None:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from dprouter.core.errors import error
 from dprouter.core.headers import HOP_BY_HOP, without
 from dprouter.core.types import Role
 from dprouter.fleet.breakers import BreakerOptions, Breakers
-from dprouter.fleet.monitor import Monitor
+from dprouter.fleet.monitor import FRESH, Monitor
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target, Worker
 from dprouter.multiproc.control import (
@@ -44,6 +45,8 @@ from dprouter.multiproc.control import (
     STATE,
     SUCCEEDED,
     SUSPECT,
+    VERSION,
+    VERSIONS,
     apply,
 )
 from dprouter.policies import RequestInfo
@@ -104,6 +107,7 @@ class Follower(Monitor):
         self.on_seen: Callable[[Target, list[int]], None] | None = None
         self._follow: asyncio.Task[None] | None = None
         self._slots: tuple[int, dict[int, Target]] = (-1, {})  # by snapshot version
+        self._asked = -1e9  # when the parent was last asked to read the versions
 
     async def start(self) -> None:
         first = asyncio.get_running_loop().create_future()
@@ -121,6 +125,20 @@ class Follower(Monitor):
     def suspect(self, worker: Worker) -> None:
         if worker.ready:
             self.channel.send({"kind": SUSPECT, "worker": worker.id})
+
+    def stated(self, worker: Worker, version: str, asked: float) -> None:
+        """Taken here at once, and by the parent for every process (one clock: monotonic
+        time is the machine's, whichever process reads it)."""
+        if version != worker.weight_version and asked >= worker.version_since:
+            self.registry.set_weight_version(worker, version)
+            event = {"kind": VERSION, "worker": worker.id, "version": version, "asked": asked}
+            self.channel.send(event)
+
+    async def read_versions(self) -> None:
+        """The parent reads them; its next state brings them."""
+        if time.monotonic() - self._asked >= FRESH:
+            self._asked = time.monotonic()
+            self.channel.send({"kind": VERSIONS})
 
     async def _read(self, first: asyncio.Future[None]) -> None:
         try:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from dprouter.config import RouterConfig
 from dprouter.core.tracing import Tracing
+from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry
 from dprouter.proxy.abort import Aborter
 from dprouter.proxy.dispatch import Dispatcher
@@ -26,3 +27,4 @@ class ProxyParts:
     aborter: Aborter  # SGLang: a client that leaves aborts its request on the engine
     dispatch: Dispatcher  # holds requests while every rank's running slots are taken
     tracing: Tracing  # each request's spans (off: no-ops) and its id
+    monitor: Monitor  # the workers' weights versions: stated by answers, read on request

@@ -84,6 +84,7 @@ class Proxy:
             p.config.hold_wait,
             dialect,
             None if client.pinned is None else {"regular": client.pinned},
+            p.monitor.read_versions,
         )
         if isinstance(pools, web.Response):
             return pools
@@ -298,7 +299,15 @@ class Proxy:
             try:
                 series = p.metrics.series(target)
                 answer = await relay(
-                    request, upstream, target, series, started, counted, watch, span=span
+                    request,
+                    upstream,
+                    target,
+                    series,
+                    started,
+                    counted,
+                    watch,
+                    span=span,
+                    stated=p.monitor.stated,
                 )
             except UpstreamBroke as exc:
                 raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc

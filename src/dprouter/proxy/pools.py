@@ -14,13 +14,17 @@ role has no target left, the client hears why:
 - 503: no ready worker (yet) for the role or the path (``no_target``).
 
 A request may wait for a pool (``wait_pools``): while the workers that could serve it
-are held (paused, updating their weights) or older than the weights it asks for.
+are held (paused, updating their weights) or older than the weights it asks for. One
+waiting for weights has the engines' versions read at once, and again every ``POLL``
+seconds while it waits: an engine updated straight, not through the router, serves them
+already, and the request does not wait for the periodic read to learn it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from aiohttp import web
 
@@ -33,6 +37,7 @@ from dprouter.fleet.weights import Wanted, newest
 from dprouter.proxy.metrics import RouterMetrics
 
 DIALECT_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+POLL = 0.5  # seconds between reads of the versions while a request waits for weights
 Pools = tuple[Sequence[Target], ...]
 
 
@@ -103,6 +108,7 @@ async def wait_pools(
     wait: float,
     dialect: DialectName | None = None,
     pinned: Mapping[Role, int | None] | None = None,
+    read_versions: Callable[[], Awaitable[None]] | None = None,
 ) -> Pools | web.Response:
     """``choose_pools`` for a request that may wait up to ``wait`` seconds while every
     worker that could serve it is held, or older than the weights it asks for in
@@ -155,7 +161,13 @@ async def wait_pools(
         async with asyncio.timeout(wait):
             while waits(chosen):
                 changed.clear()
-                await changed.wait()
+                if wanted is None or read_versions is None:
+                    await changed.wait()
+                else:
+                    await read_versions()  # joins a read under way, if there is one
+                    if waits(chosen := once()):
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(changed.wait(), POLL)
                 chosen = once()
     except TimeoutError:
         held = sorted({w.held for w in registry.ready() if w.held is not None})

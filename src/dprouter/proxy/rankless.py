@@ -60,7 +60,14 @@ class Rankless:
             model, headers = client.incoming.model, client.headers
             data = orjson.dumps(client.incoming.body) if client.changed else client.raw
         pools = await wait_pools(
-            request, p.registry, p.metrics, ("regular",), model, p.config.hold_wait, dialect
+            request,
+            p.registry,
+            p.metrics,
+            ("regular",),
+            model,
+            p.config.hold_wait,
+            dialect,
+            read_versions=p.monitor.read_versions,
         )
         if isinstance(pools, web.Response):
             return pools
@@ -108,7 +115,14 @@ class Rankless:
                 series = p.metrics.series(target)
                 extra = None if label is None else {TARGET_HEADER: label}
                 answer = await relay(
-                    request, upstream, target, series, started, extra=extra, span=span
+                    request,
+                    upstream,
+                    target,
+                    series,
+                    started,
+                    extra=extra,
+                    span=span,
+                    stated=p.monitor.stated,
                 )
             except UpstreamBroke as exc:
                 raise Failed(target, "broken_body", f"answer broke off ({exc})") from exc

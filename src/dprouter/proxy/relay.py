@@ -27,13 +27,16 @@ from dprouter.core.headers import (
 )
 from dprouter.core.log_filter import REQUEST_ID
 from dprouter.core.tracing import NO_SPAN, Span
-from dprouter.fleet.targets import Outstanding, Target
+from dprouter.fleet import weights
+from dprouter.fleet.targets import Outstanding, Target, Worker
 from dprouter.proxy.metrics import TargetSeries
 from dprouter.proxy.read_timeout import take_over
 
 SPEND = 16  # stream events (output tokens) spent off a request's count in one board write
 CUT = web.ResponseKey("dprouter.cut", bool)  # set on a response whose stream broke off
 STREAMING = web.RequestKey("dprouter.streaming", web.StreamResponse)  # the stream under way
+# an answer of a worker stated its weights' version; the request was sent at that time
+Stated = Callable[[Worker, str, float], None]
 
 
 def was_cut(answer: web.StreamResponse) -> bool:
@@ -52,11 +55,14 @@ async def relay(
     watch: Callable[[bytes], None] | None = None,
     extra: dict[str, str] | None = None,
     span: Span = NO_SPAN,
+    stated: Stated | None = None,
 ) -> web.StreamResponse:
     """Answer ``request`` with ``upstream``; always closes or releases ``upstream``. A
     stream's events spend ``counted``'s output budget as they pass, and its chunks
     pass ``watch`` (the Responses API learns a stream's response id so). ``span``: the
-    attempt's, under which the relay has its own."""
+    attempt's, under which the relay has its own. ``stated`` learns the weights' version
+    an SGLang answer states (a whole one: in its header too; a stream: in its first
+    event, after the headers went with the version known before)."""
     loop = asyncio.get_running_loop()
     # a multidict keeps repeated headers (two Set-Cookie, say) that a dict would merge away
     headers = without(upstream.headers, HOP_BY_HOP)
@@ -64,8 +70,9 @@ async def relay(
     rid = REQUEST_ID.get()
     if rid is not None:  # the request's, not whatever id the engine answered with
         headers[REQUEST_ID_HEADER] = rid
-    if target.worker.weight_version is not None:
-        headers[WEIGHT_VERSION_HEADER] = target.worker.weight_version
+    worker = target.worker
+    if worker.dialect != "sglang":
+        stated = None  # the others' answers state no version
     if extra:
         headers.update(extra)
     done = False
@@ -78,10 +85,17 @@ async def relay(
                     raise UpstreamBroke(f"{type(exc).__name__} {exc}") from exc
                 series.first_byte.observe(loop.time() - started)
                 relayed.passed(len(body))
+                version = _version(body, worker, started, stated)
+                if version is not None:
+                    headers[WEIGHT_VERSION_HEADER] = version
                 resp: web.StreamResponse = web.Response(
                     status=upstream.status, body=body, headers=headers
                 )
             else:
+                if worker.weight_version is not None:
+                    headers[WEIGHT_VERSION_HEADER] = worker.weight_version
+                if stated is not None:
+                    watch = _learning(watch, worker, started, stated)
                 resp = web.StreamResponse(status=upstream.status, headers=headers)
                 try:
                     await resp.prepare(request)
@@ -105,6 +119,36 @@ async def relay(
     series.answered(upstream.status)
     series.duration.observe(loop.time() - started)
     return resp
+
+
+def _version(body: bytes, worker: Worker, asked: float, stated: Stated | None) -> str | None:
+    """The version a whole answer goes out with: the one it states, else the worker's."""
+    if stated is not None:
+        said = weights.stated(body)
+        if said is not None:
+            stated(worker, said, asked)
+            return said
+    return worker.weight_version
+
+
+def _learning(
+    watch: Callable[[bytes], None] | None, worker: Worker, asked: float, stated: Stated
+) -> Callable[[bytes], None]:
+    """``watch`` that also reads the version off the stream's first chunk (SGLang's
+    /generate states it in every event; its OpenAI streams in none)."""
+    first = True
+
+    def passing(chunk: bytes) -> None:
+        nonlocal first
+        if first:
+            first = False
+            said = weights.stated(chunk)
+            if said is not None:
+                stated(worker, said, asked)
+        if watch is not None:
+            watch(chunk)
+
+    return passing
 
 
 async def _stream(

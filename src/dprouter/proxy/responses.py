@@ -111,6 +111,7 @@ class Responses:
                 incoming.model,
                 self.parts.config.hold_wait,
                 pinned={"regular": client.pinned},
+                read_versions=self.parts.monitor.read_versions,
             )
             if isinstance(chosen, web.Response):
                 return chosen

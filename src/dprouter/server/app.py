@@ -234,6 +234,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             parts.door.shed,
         ),
         parts.tracing,
+        parts.monitor,
     )
     parts.rankless = Rankless(proxy_parts)
     if config.pd is not None:

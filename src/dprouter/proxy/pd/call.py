@@ -144,6 +144,7 @@ class Call:
                 self.decoding if self.decoding and self.decoding.target is target else None,
                 extra={PREFILL_HEADER: prefill.label},
                 span=span,
+                stated=self.parts.monitor.stated,
             )
         except UpstreamBroke as exc:
             side: Side = "prefill" if target is prefill else "decode"

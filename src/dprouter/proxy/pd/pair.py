@@ -101,6 +101,7 @@ class PairProxy:
             p.registry.snapshot.named(client.incoming.model, client.incoming.body.get("lora_path")),
             p.config.hold_wait,
             pinned=pinned,
+            read_versions=p.monitor.read_versions,
         )
         if isinstance(pools, web.Response):
             return pools

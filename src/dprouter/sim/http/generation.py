@@ -274,6 +274,8 @@ class Generation:
         else:
             use = usage(first.prompt_len, _generated(reqs), _cached(reqs))
             body = Render(self.kind, first.rid, self.server.config.model, False).full(texts, use)
+            if self.server.persona.name == "sglang":  # 0.5.23's whole OpenAI answers say it
+                body["metadata"] = {"weight_version": self.server.weights.version}
         if self.prefill_key is not None:
             params = self.server.publish_kv(self.prefill_key, first, self.prefill_meta)
             if params is not None:
