@@ -86,7 +86,8 @@ class RouterConfig:
     # --discovery (a replica sees the others' requests only in the engines' reports)
     load_interval: float | None = None
     startup_timeout: float = 10.0  # serve waits this long for discovery, then checks workers
-    # None: the admin API (workers, engine commands) is open to loopback and admin_from only
+    # None: the admin API (workers, engine commands) is open to loopback, this host's own
+    # addresses and admin_from only (server/trust.py)
     admin_token: str | None = None
     admin_from: tuple[str, ...] = ()  # without a token: networks (CIDR) the admin API trusts
     # -- the front door (docs/security.md) --
@@ -381,16 +382,6 @@ def validate(config: RouterConfig) -> RouterConfig:
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-def admin_exposure(config: RouterConfig) -> str:
-    """What a router without an admin token opens, and to whom: said loudly at start-up."""
-    whom = ", ".join(["loopback", *config.admin_from])
-    return (
-        f"no admin credential: the admin API (adding and removing workers, pausing engines, "
-        f"weight updates, aborts) answers anyone on {whom} without one; give "
-        "--admin-token, or an admin tenant's key in --tenants, or --jwt-issuer, to require one"
-    )
 
 
 def admin_networks(given: Sequence[str]) -> tuple[Network, ...]:

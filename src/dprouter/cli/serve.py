@@ -13,7 +13,7 @@ from typing import Any
 import click
 from click.decorators import FC
 
-from dprouter.config import RouterConfig, admin_exposure, load_file, validate
+from dprouter.config import RouterConfig, load_file, validate
 from dprouter.core import gc_tuning
 from dprouter.core.errors import ConfigError
 from dprouter.core.types import PD_MODES, ROLES
@@ -398,7 +398,8 @@ def make_config(
     envvar="DPROUTER_ADMIN_TOKEN",
     help=(
         "Every admin call (/workers, engine commands) must carry it; also read from "
-        "DPROUTER_ADMIN_TOKEN. Without it they are taken from loopback and --admin-from only."
+        "DPROUTER_ADMIN_TOKEN. Without it they are taken from loopback, this host's own "
+        "addresses and --admin-from only."
     ),
 )
 @option(
@@ -407,7 +408,8 @@ def make_config(
     metavar="CIDR",
     help=(
         "Without --admin-token: a network whose hosts may make admin calls besides loopback "
-        "(engines registering from their own hosts); repeat it for several."
+        "and this host's own addresses (engines registering from other hosts); repeat it for "
+        "several."
     ),
 )
 @option(
@@ -601,8 +603,9 @@ async def run(config: RouterConfig) -> None:
             targets,
             config.process_count,
         )
-        if Identity.of(config, warn=False).open_admin():  # no admin credential at all
-            log.warning(admin_exposure(config))
+        identity = Identity.of(config, warn=False)
+        if identity.open_admin():  # no admin credential at all
+            log.warning(identity.trust.exposure())
         if not config.workers and config.discovery is None and config.pd != "vllm-moriio":
             log.warning("no worker yet: engines join with POST /workers (docs/rl.md)")
         if isinstance(router, Supervisor):  # it may find it cannot serve after all
