@@ -147,6 +147,9 @@ class RouterConfig:
     registration: str = "tcp://127.0.0.1:36367"  # MoRIIO engines register here (ZMQ)
     heartbeat_timeout: float = 10.0  # MoRIIO: an instance silent this long is expired
     processes: int | str = 1  # serving processes on the port; "auto": one per core
+    # GET /metrics on a port of its own as well (0: any free one); None: on --port only
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # where that port listens; None: --host
     discovery: str | None = None  # etcd://HOST:PORT[,HOST:PORT...]/PREFIX, or k8s: pods
     # --discovery k8s: engine pods by label selector (docs/kubernetes.md)
     selector: str | None = None  # applied by the API server: k=v[,k=v]
@@ -313,6 +316,7 @@ def validate(config: RouterConfig) -> RouterConfig:
     ):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
+    check_metrics_port(config)
     for name in ("connect_timeout", "heartbeat_timeout", "backlog", "max_body"):
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
@@ -392,6 +396,20 @@ def admin_networks(given: Sequence[str]) -> tuple[Network, ...]:
         return tuple(ipaddress.ip_network(n.strip(), strict=False) for n in given)
     except ValueError as exc:
         raise ConfigError(f"admin_from: {exc}") from None
+
+
+def check_metrics_port(config: RouterConfig) -> None:
+    port = config.metrics_port
+    if port is None:
+        if config.metrics_host is not None:
+            raise ConfigError("--metrics-host needs --metrics-port")
+        return
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"metrics_port must be 0 to 65535, got {port}")
+    if port != 0 and port == config.port and (config.metrics_host or config.host) == config.host:
+        raise ConfigError(
+            f"--metrics-port {port} is --port: /metrics is served there anyway; drop it"
+        )
 
 
 def check_prefix(config: RouterConfig) -> None:

@@ -156,6 +156,13 @@ def make_config(
     help="Port to listen on (0: any free port; the log says which).",
 )
 @option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Also serve GET /metrics alone on this port (0: any free one), for a scraper kept "
+    "off the traffic port.",
+)
+@option("--metrics-host", help="Address the --metrics-port listens on (default: --host).")
+@option(
     "--processes",
     metavar="N|auto",
     help="Serving processes on the port, sharing one view of load (auto: one per core).",
@@ -603,6 +610,8 @@ async def run(config: RouterConfig) -> None:
             targets,
             config.process_count,
         )
+        if router.metrics_url is not None:
+            log.info("metrics also on %s", router.metrics_url)
         identity = Identity.of(config, warn=False)
         if identity.open_admin():  # no admin credential at all
             log.warning(identity.trust.exposure())
