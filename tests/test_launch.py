@@ -92,6 +92,10 @@ def test_limits_retries_and_discovery_map_to_their_own() -> None:
         80,  # the gateway's --service-discovery-port default
     )
     assert line("--disable-retries", "--retry-max-retries", "5").attempts == 1
+    metrics = line("--prometheus-host", "127.0.0.1")  # the gateway's port, 29000, there
+    assert (metrics.metrics_host, metrics.metrics_port) == ("127.0.0.1", 29000)
+    with pytest.raises(ConfigError, match=r"--pod-port only with --discovery k8s"):
+        line("--service-discovery-port", "8000")  # not dropped: refused without discovery
     with pytest.raises(ConfigError, match=r"--prefill and --decode need --pd-disaggregation"):
         line("--decode", "http://d:1")
     with pytest.raises(ConfigError, match=r"does not support --policy prefix_hash"):

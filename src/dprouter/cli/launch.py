@@ -73,6 +73,8 @@ def config_of(args: argparse.Namespace) -> RouterConfig:
         values["pd"] = "sglang"
     elif args.prefill or args.decode:
         raise ConfigError("--prefill and --decode need --pd-disaggregation")
+    if args.prometheus_host is not None and args.prometheus_port is None:
+        values["metrics_port"] = 29000  # the gateway's default port, on the host given
     if args.request_timeout_secs is not None:  # the gateway's timeout is the whole request's
         values["total_timeout"] = values["read_timeout"] = args.request_timeout_secs
     if args.max_concurrent_requests is not None:
@@ -129,9 +131,11 @@ def workers(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
 def discovery(args: argparse.Namespace) -> dict[str, Any]:
     """``--service-discovery``: the engine pods by label, as dprouter's ``--discovery k8s``."""
     values: dict[str, Any] = {}
+    if args.service_discovery_port is not None:
+        values["pod_port"] = args.service_discovery_port
     if args.service_discovery:
         values["discovery"] = "k8s"
-        values["pod_port"] = args.service_discovery_port or 80  # the gateway's default
+        values.setdefault("pod_port", 80)  # the gateway's default
     for flag in ("selector", "prefill_selector", "decode_selector"):
         if getattr(args, flag):
             values[flag] = ",".join(getattr(args, flag))  # k=v k=v -> k=v,k=v
