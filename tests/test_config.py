@@ -145,3 +145,12 @@ def test_pd_in_a_file(tmp_path: Path) -> None:
         ("prefill", 8998),
         ("decode", None),
     ]
+
+
+def test_a_metrics_port_is_its_own_and_a_metrics_host_needs_one() -> None:
+    assert validate(RouterConfig(port=8080, metrics_port=9090)).metrics_port == 9090
+    assert validate(RouterConfig(port=0, metrics_port=0)).metrics_port == 0  # two free ports
+    with pytest.raises(ConfigError, match="--metrics-port 8080 is --port"):
+        validate(RouterConfig(port=8080, metrics_port=8080))
+    with pytest.raises(ConfigError, match="--metrics-host needs --metrics-port"):
+        validate(RouterConfig(metrics_host="0.0.0.0"))

@@ -53,11 +53,12 @@ def test_simulator_names() -> None:
         "import dprouter; print(dprouter.Router)",
         "import dprouter.config",
         "import dprouter.cli.serve",
+        "import dprouter.cli.launch",
         # the command line as `dprouter serve --help` runs it
         "import sys\nfrom dprouter.cli import main\nsys.argv = ['dprouter', 'serve', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass",
     ],
-    ids=["dprouter", "config", "serve", "serve --help"],
+    ids=["dprouter", "config", "serve", "launch", "serve --help"],
 )
 def test_the_router_loads_neither_simulator_nor_benchmarks(code: str) -> None:
     assert loaded_after(code) == []
@@ -85,4 +86,4 @@ def test_help(args: list[str]) -> None:
     assert done.stdout.startswith("Usage: ")
     if args == ["--help"]:
         listed = [line.split()[0] for line in done.stdout.split("Commands:\n")[1].splitlines()]
-        assert listed == ["bench", "demo", "register", "serve", "sim", "top"]
+        assert listed == ["bench", "demo", "launch", "register", "serve", "sim", "top"]

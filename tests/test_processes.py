@@ -164,6 +164,23 @@ async def test_an_admin_added_worker_gets_traffic_from_both_processes(
         assert r.status == 200 and (await r.json())["url"] == second
 
 
+async def test_the_metrics_port_answers_for_the_whole_router(
+    start_cluster: StartCluster, start_processes: StartProcesses
+) -> None:
+    """--metrics-port (the launch line's --prometheus-port) under two serving processes:
+    both listen on it, and whichever takes a scrape counts the requests of both."""
+    cluster = await start_cluster([EngineConfig(dp_size=2)])
+    sup = await start_processes(RouterConfig(workers=workers(*cluster.urls), metrics_port=0))
+    assert sup.metrics_port not in (None, 0, sup.port) and sup.metrics_url is not None
+    await asyncio.gather(*(post(sup.url, SHORT) for _ in range(16)))
+    base = sup.metrics_url.removesuffix("/metrics")
+    for _ in range(6):  # each scrape on a connection of its own: either process answers
+        async with fresh() as s:
+            assert await metric_sum(s, base, "dprouter_requests_total") == 16
+    async with fresh() as s, s.get(base + "/v1/models") as r:
+        assert r.status == 404  # the metrics port serves /metrics alone
+
+
 async def test_each_engine_is_scraped_once_per_interval_whatever_the_processes(
     start_cluster: StartCluster, start_processes: StartProcesses
 ) -> None:

@@ -14,9 +14,9 @@ import pytest
 
 from dprouter.config import RouterConfig
 from dprouter.fleet.weights import newest
-from dprouter.server.admin import trusted
 from dprouter.server.commands import COMMANDS
 from dprouter.server.router import Router
+from dprouter.server.trust import Trust
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import StartCluster, StartRouter, metric_sum, until, workers
@@ -58,7 +58,8 @@ async def test_miles_calls_succeed_against_a_router_started_as_a_framework_start
         url, _ = await listening(proc)
         assert proc.stderr is not None
         said = [(await asyncio.wait_for(proc.stderr.readline(), 10)).decode() for _ in range(2)]
-        assert "no admin credential: the admin API" in said[0] and "loopback" in said[0]
+        assert "no admin credential: the admin API" in said[0]
+        assert "on loopback, this host's own addresses (" in said[0]
         assert "no worker yet" in said[1]
         await miles(http, cluster, url)
     finally:
@@ -451,4 +452,5 @@ async def test_updates_to_different_workers_run_side_by_side(
 def test_latest_is_the_largest_number_and_a_mapped_loopback_is_loopback() -> None:
     assert newest(["7", "default"]) == "7" and newest(["default", "7", "12"]) == "12"
     assert newest(["a", "b"]) == "b" and newest([None]) is None
-    assert trusted("::ffff:127.0.0.1", ()) and trusted("::ffff:10.0.0.4", ("10.0.0.0/8",))
+    assert Trust(()).trusts("::ffff:127.0.0.1")
+    assert Trust(("203.0.113.0/24",)).trusts("::ffff:203.0.113.4")

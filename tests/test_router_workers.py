@@ -14,7 +14,7 @@ from dprouter.core.errors import ConfigError
 from dprouter.core.net import url_of
 from dprouter.fleet import engine_load, probe
 from dprouter.fleet.targets import Worker
-from dprouter.server.admin import trusted
+from dprouter.server.trust import Trust
 from dprouter.sim.http.server import SimServer
 from dprouter.sim.model.config import EngineConfig, PdConfig
 from tests.conftest import (
@@ -269,10 +269,12 @@ async def test_without_a_token_the_admin_api_answers_loopback_and_named_networks
     router = await start_router(RouterConfig(workers=workers(engine.url)))
     async with http.get(router.url + "/workers") as r:  # this test calls from loopback
         assert r.status == 200 and [w["url"] for w in (await r.json())["workers"]] == [engine.url]
-    assert trusted("127.0.0.1", ()) and trusted("::1", ()) and trusted("127.3.0.9", ())
-    assert not trusted("10.1.2.3", ()) and not trusted(None, ()) and not trusted("", ())
-    assert trusted("10.1.2.3", ("10.0.0.0/8",)) and trusted("fd00::5", ("fd00::/8", "10.0.0.1"))
-    assert not trusted("192.168.0.1", ("10.0.0.0/8",))
+    # documentation addresses (RFC 5737, 3849): no host's own
+    alone, named = Trust(()), Trust(("203.0.113.0/24", "2001:db8::/32", "198.51.100.1"))
+    assert alone.trusts("127.0.0.1") and alone.trusts("::1") and alone.trusts("127.3.0.9")
+    assert not alone.trusts("203.0.113.3") and not alone.trusts(None) and not alone.trusts("")
+    assert named.trusts("203.0.113.3") and named.trusts("2001:db8::5")
+    assert named.trusts("198.51.100.1") and not named.trusts("198.51.100.2")
     with pytest.raises(ConfigError, match="admin_from"):
         validate(RouterConfig(admin_from=("10.0.0.0/33",)))
 

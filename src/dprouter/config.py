@@ -87,7 +87,8 @@ class RouterConfig:
     # --discovery (a replica sees the others' requests only in the engines' reports)
     load_interval: float | None = None
     startup_timeout: float = 10.0  # serve waits this long for discovery, then checks workers
-    # None: the admin API (workers, engine commands) is open to loopback and admin_from only
+    # None: the admin API (workers, engine commands) is open to loopback, this host's own
+    # addresses and admin_from only (server/trust.py)
     admin_token: str | None = None
     admin_from: tuple[str, ...] = ()  # without a token: networks (CIDR) the admin API trusts
     # -- the front door (docs/security.md) --
@@ -147,6 +148,9 @@ class RouterConfig:
     registration: str = "tcp://127.0.0.1:36367"  # MoRIIO engines register here (ZMQ)
     heartbeat_timeout: float = 10.0  # MoRIIO: an instance silent this long is expired
     processes: int | str = 1  # serving processes on the port; "auto": one per core
+    # GET /metrics on a port of its own as well (0: any free one); None: on --port only
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # where that port listens; None: --host
     discovery: str | None = None  # etcd://HOST:PORT[,HOST:PORT...]/PREFIX, or k8s: pods
     # --discovery k8s: engine pods by label selector (docs/kubernetes.md)
     selector: str | None = None  # applied by the API server: k=v[,k=v]
@@ -315,6 +319,7 @@ def validate(config: RouterConfig) -> RouterConfig:
     ):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(config, name)}")
+    check_metrics_port(config)
     for name in ("connect_timeout", "heartbeat_timeout", "backlog", "max_body"):
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name} must be > 0, got {getattr(config, name)}")
@@ -386,16 +391,6 @@ def validate(config: RouterConfig) -> RouterConfig:
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-def admin_exposure(config: RouterConfig) -> str:
-    """What a router without an admin token opens, and to whom: said loudly at start-up."""
-    whom = ", ".join(["loopback", *config.admin_from])
-    return (
-        f"no admin credential: the admin API (adding and removing workers, pausing engines, "
-        f"weight updates, aborts) answers anyone on {whom} without one; give "
-        "--admin-token, or an admin tenant's key in --tenants, or --jwt-issuer, to require one"
-    )
-
-
 def admin_networks(given: Sequence[str]) -> tuple[Network, ...]:
     """``--admin-from``: the networks, each a CIDR or one address."""
     if not isinstance(given, tuple | list) or not all(isinstance(n, str) for n in given):
@@ -404,6 +399,20 @@ def admin_networks(given: Sequence[str]) -> tuple[Network, ...]:
         return tuple(ipaddress.ip_network(n.strip(), strict=False) for n in given)
     except ValueError as exc:
         raise ConfigError(f"admin_from: {exc}") from None
+
+
+def check_metrics_port(config: RouterConfig) -> None:
+    port = config.metrics_port
+    if port is None:
+        if config.metrics_host is not None:
+            raise ConfigError("--metrics-host needs --metrics-port")
+        return
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"metrics_port must be 0 to 65535, got {port}")
+    if port != 0 and port == config.port and (config.metrics_host or config.host) == config.host:
+        raise ConfigError(
+            f"--metrics-port {port} is --port: /metrics is served there anyway; drop it"
+        )
 
 
 def check_prefix(config: RouterConfig) -> None:

@@ -15,6 +15,7 @@ import click
 COMMANDS = {
     "bench": "dprouter.bench.command:bench",
     "demo": "dprouter.cli.demo:demo",
+    "launch": "dprouter.cli.launch:launch",
     "register": "dprouter.cli.register:register",
     "serve": "dprouter.cli.serve:serve",
     "sim": "dprouter.sim.command:sim",

@@ -13,7 +13,7 @@ from typing import Any
 import click
 from click.decorators import FC
 
-from dprouter.config import RouterConfig, admin_exposure, load_file, validate
+from dprouter.config import RouterConfig, load_file, validate
 from dprouter.core import gc_tuning
 from dprouter.core.errors import ConfigError
 from dprouter.core.types import PD_MODES, ROLES
@@ -155,6 +155,13 @@ def make_config(
     type=click.IntRange(0, 65535),
     help="Port to listen on (0: any free port; the log says which).",
 )
+@option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Also serve GET /metrics alone on this port (0: any free one), for a scraper kept "
+    "off the traffic port.",
+)
+@option("--metrics-host", help="Address the --metrics-port listens on (default: --host).")
 @option(
     "--processes",
     metavar="N|auto",
@@ -404,7 +411,8 @@ def make_config(
     envvar="DPROUTER_ADMIN_TOKEN",
     help=(
         "Every admin call (/workers, engine commands) must carry it; also read from "
-        "DPROUTER_ADMIN_TOKEN. Without it they are taken from loopback and --admin-from only."
+        "DPROUTER_ADMIN_TOKEN. Without it they are taken from loopback, this host's own "
+        "addresses and --admin-from only."
     ),
 )
 @option(
@@ -413,7 +421,8 @@ def make_config(
     metavar="CIDR",
     help=(
         "Without --admin-token: a network whose hosts may make admin calls besides loopback "
-        "(engines registering from their own hosts); repeat it for several."
+        "and this host's own addresses (engines registering from other hosts); repeat it for "
+        "several."
     ),
 )
 @option(
@@ -607,8 +616,11 @@ async def run(config: RouterConfig) -> None:
             targets,
             config.process_count,
         )
-        if Identity.of(config, warn=False).open_admin():  # no admin credential at all
-            log.warning(admin_exposure(config))
+        if router.metrics_url is not None:
+            log.info("metrics also on %s", router.metrics_url)
+        identity = Identity.of(config, warn=False)
+        if identity.open_admin():  # no admin credential at all
+            log.warning(identity.trust.exposure())
         if not config.workers and config.discovery is None and config.pd != "vllm-moriio":
             log.warning("no worker yet: engines join with POST /workers (docs/rl.md)")
         if isinstance(router, Supervisor):  # it may find it cannot serve after all

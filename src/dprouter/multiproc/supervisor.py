@@ -75,6 +75,8 @@ class Supervisor(Service):
         self._dir = tempfile.mkdtemp(prefix="dprouter-")
         self.port = config.port
         self._held: socket.socket | None = None  # the port, held while the processes serve
+        self.metrics_port = config.metrics_port  # --metrics-port, held alike
+        self._held_metrics: socket.socket | None = None
         self.children: dict[int, multiprocessing.process.BaseProcess] = {}
         self.stopping = False
         self.replaced = 0  # serving processes replaced after they died
@@ -87,6 +89,13 @@ class Supervisor(Service):
     @property
     def url(self) -> str:
         return https(url_of(self.config.host, self.port), self.tls)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where ``--metrics-port`` serves ``/metrics``; None without it."""
+        if self.metrics_port is None:
+            return None
+        return url_of(self.config.metrics_host or self.config.host, self.metrics_port) + "/metrics"
 
     def reload_tls(self) -> bool:
         """SIGHUP to every serving process, if the new pair loads (else logged, and each
@@ -111,6 +120,11 @@ class Supervisor(Service):
             held = bind(self.config.host, self.port, reuse_port=True, listen=False)
             self._held = held
             self.port = held.getsockname()[1]
+            if self.metrics_port is not None:
+                host = self.config.metrics_host or self.config.host
+                metrics = bind(host, self.metrics_port, reuse_port=True, listen=False)
+                self._held_metrics = metrics
+                self.metrics_port = metrics.getsockname()[1]
             os.mkdir(os.path.join(self._dir, "metrics"))
             await self.control.start(os.path.join(self._dir, "control.sock"))
             for row in range(self.rows):
@@ -130,7 +144,13 @@ class Supervisor(Service):
             # each process draws its own random numbers (seed + row): two drawing the same
             # would pick the same targets in step and, in SGLang P/D, the same bootstrap
             # rooms -- one request's KV consumed by another's
-            config=replace(self.config, port=self.port, processes=1, seed=self.config.seed + row),
+            config=replace(
+                self.config,
+                port=self.port,
+                metrics_port=self.metrics_port,
+                processes=1,
+                seed=self.config.seed + row,
+            ),
             row=row,
             rows=self.rows,
             board=self._memory.name,
@@ -229,8 +249,9 @@ class Supervisor(Service):
             task.cancel()
         await asyncio.gather(*self._reaping, return_exceptions=True)
         await self.control.stop()
-        if self._held is not None:
-            self._held.close()
+        for held in (self._held, self._held_metrics):
+            if held is not None:
+                held.close()
         self.board.close()
         self._memory.close()
         self._memory.unlink()

@@ -31,7 +31,6 @@ from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import WorkerSpec, normalise_url, worker_from_mapping
 from dprouter.server.commands import COMMANDS, Commands
 from dprouter.server.identity import Identity
-from dprouter.server.identity import trusted as trusted  # where the tests find it
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 

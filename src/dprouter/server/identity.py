@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import base64
 import hmac
-import ipaddress
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from dprouter.config import RouterConfig, admin_networks
+from dprouter.config import RouterConfig
 from dprouter.core.errors import error
 from dprouter.core.tenants import ANONYMOUS, Tenants
 from dprouter.core.types import Caller
+from dprouter.server.trust import Trust
 
 if TYPE_CHECKING:
     from dprouter.server.issuer import Issuer
@@ -56,6 +56,7 @@ class Identity:
             or self.issuer is not None
             or any(t.access == "admin" for t in tenants.listed.values())
         )
+        self.trust = Trust(config.admin_from)  # who is taken by address when none exists
 
     @classmethod
     def of(cls, config: RouterConfig, warn: bool = True) -> Identity:
@@ -109,9 +110,10 @@ class Identity:
         """The answer to a control-plane call its caller may not make; None: it may go on.
         An admin's credential (the admin token, an admin key, an admin JWT) passes, a
         user's is a 403; with no admin credential configured at all, callers from
-        loopback and ``--admin-from`` pass (``relayed``: a serving process of
-        ``--processes N`` checked the address). ``basic``: the password of Basic auth
-        counts too (the dashboard: how a browser logs in)."""
+        loopback, this host's own addresses and ``--admin-from`` pass (``Trust``;
+        ``relayed``: a serving process of ``--processes N`` checked the address).
+        ``basic``: the password of Basic auth counts too (the dashboard: how a browser
+        logs in)."""
         header = request.headers.get("Authorization", "")
         token = bearer_token(header) or (basic_password(header) if basic else None)
         if token is not None:
@@ -136,14 +138,9 @@ class Identity:
                 "admin calls need Authorization: Bearer <admin token, admin API key or JWT>",
                 CHALLENGE,
             )
-        if relayed or trusted(request.remote, self.config.admin_from):
+        if relayed or self.trust.trusts(request.remote):
             return None
-        return error(
-            403,
-            f"without an admin token, admin calls are taken from loopback and --admin-from "
-            f"networks only, not from {request.remote}: start the router with --admin-token, "
-            "or name the caller's network in --admin-from",
-        )
+        return error(403, self.trust.refusal(request.remote))
 
     def open_admin(self) -> bool:
         """The control plane takes callers by their address (no admin credential exists)."""
@@ -176,16 +173,3 @@ def basic_password(header: str) -> str | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return password or None
-
-
-def trusted(remote: str | None, admin_from: Sequence[str]) -> bool:
-    """``remote`` is loopback or in one of the ``admin_from`` networks."""
-    try:
-        address = ipaddress.ip_address((remote or "").split("%")[0])
-    except ValueError:
-        return False  # no address: not a caller it can place
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # an IPv4 caller of a dual-stack socket
-    if address.is_loopback:
-        return True
-    return any(address in network for network in admin_networks(admin_from))

@@ -17,6 +17,7 @@ from dprouter.fleet.membership import settled
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry
 from dprouter.server.app import build_app
+from dprouter.server.metrics_site import MetricsSite
 from dprouter.server.parts import PARTS
 
 log = logging.getLogger("dprouter")
@@ -44,6 +45,7 @@ class Router(Service):
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
         self._fd = -1  # the listening socket's
+        self.metrics_site: MetricsSite | None = None  # --metrics-port: /metrics there too
         # HTTPS: one context for the router's life, its certificate reloaded in place
         self.tls: ssl.SSLContext | None = None
         if self.config.tls_cert is not None and self.config.tls_key is not None:
@@ -52,6 +54,11 @@ class Router(Service):
     @property
     def url(self) -> str:
         return https(url_of(self.config.host, self.port), self.tls is not None)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where ``--metrics-port`` serves ``/metrics``; None without it."""
+        return self.metrics_site.url if self.metrics_site is not None else None
 
     def reload_tls(self) -> bool:
         """Load the certificate and key again (SIGHUP): new handshakes get the new pair,
@@ -90,6 +97,11 @@ class Router(Service):
         await self._runner.setup()
         self._site = web.SockSite(self._runner, sock, ssl_context=self.tls)
         await self._site.start()
+        if self.config.metrics_port is not None:
+            host = self.config.metrics_host or self.config.host
+            site = MetricsSite(self.parts.metrics, host, self.config.metrics_port, shared)
+            await site.start()
+            self.metrics_site = site
 
     async def stop(self) -> None:
         """Stop listening; requests in flight get ``config.grace`` seconds, then are cut
@@ -108,6 +120,9 @@ class Router(Service):
             # connections, but one whose handler has not begun waiting misses that close
             for _ in range(3):
                 await asyncio.sleep(0)
+        if self.metrics_site is not None:
+            await self.metrics_site.stop()
+            self.metrics_site = None
         if self._runner is not None:
             await self.parts.drain.run(self.config.grace)
             await self._runner.cleanup()
