@@ -1,11 +1,15 @@
 """``/dashboard/data`` against a simulated 2 × DP8 + 1 × DP4 cluster; off without
-``--dashboard``; behind the admin token when one is set; under ``--processes``."""
+``--dashboard``; behind the admin token when one is set; under ``--processes``. And the
+live view for RL, over simulated SGLang engines: the requests held in the router by
+class, each worker's hold and weights' version, in the data and in ``/metrics``."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,10 +21,21 @@ import pytest
 from dprouter.cli.demo import demo_cluster
 from dprouter.cli.serve import serve
 from dprouter.config import RouterConfig, load_file, validate
+from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.server.dashboard import POLICY
 from dprouter.server.dashboard.window import quantile
-from tests.conftest import StartCluster, StartRouter, workers
+from dprouter.sim.model.config import EngineConfig, PdConfig, RankLimits
+from tests.conftest import (
+    StartCluster,
+    StartProcesses,
+    StartRouter,
+    background,
+    metric_sum,
+    until,
+    workers,
+)
+from tests.test_door import tenants_file
 from tests.test_router_pd import deploy, served
 
 BODY: dict[str, Any] = {"model": "demo", "prompt": "look at me", "max_tokens": 4}
@@ -223,3 +238,201 @@ async def test_pd_lanes_and_pairs(
     assert len(data["lanes"]["prefill"]) == 2 and len(data["lanes"]["decode"]) == 2
     seen = {(p["prefill"], p["decode"]): p["requests"] for p in data["pairs"]}
     assert seen == dict(Counter(pairs))
+
+
+# -- the live view for RL ---------------------------------------------------------------
+# SGLang engines of 2 ranks x 2 running slots, reporting their caps: the router holds what
+# they cannot run. A step ~6 ms: a stream of 5,000 tokens runs for half a minute.
+SGLANG = EngineConfig(
+    persona="sglang",
+    dp_size=2,
+    dp_attention=True,
+    limits=RankLimits(max_running=2),
+    time_scale=1.0,
+)
+RUN: dict[str, Any] = {"prompt": "a long rollout", "max_tokens": 5000, "stream": True}
+HELD = {"low": 3, "high": 2}  # requests held mid-step, by class
+
+
+async def post(url: str, body: dict[str, Any], headers: dict[str, str], opened: list[int]) -> None:
+    """One request on a connection of its own (under --processes either process takes it),
+    read to its end, or until cancelled."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector) as s,
+        s.post(url + "/v1/completions", json=body, headers=headers) as r,
+    ):
+        assert r.status == 200, await r.text()
+        await r.content.readline()
+        opened.append(1)
+        async for _ in r.content:
+            pass
+
+
+async def command(http: aiohttp.ClientSession, url: str, path: str, body: Any = None) -> None:
+    async with http.post(url + path, json=body or {}) as r:
+        assert r.status == 200, await r.text()
+
+
+class Step:
+    """The requests a step holds in the router, by class; each on a connection of its own."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str) -> None:
+        self.http, self.url = http, url
+        self.held: Counter[str] = Counter()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def hold(self, name: str, count: int = 1) -> None:
+        """``count`` more requests of class ``name``, held in the router (its gauge says)."""
+        for _ in range(count):
+            body = {"prompt": f"{name} {self.held[name]}", "max_tokens": 8}
+            self.held[name] += 1
+            sent = post(self.url, body, {"X-Priority": name}, [])
+            self.tasks.append(asyncio.create_task(sent))
+        assert await held_in(self.http, self.url, self.held.total())
+
+
+@asynccontextmanager
+async def mid_step(http: aiohttp.ClientSession, url: str, slots: int = 4) -> AsyncIterator[Step]:
+    """A router at ``url`` over two SGLang engines (w0, w1) as an RL step leaves it: w1
+    paused and w0 at weights 7 (both through the router), w0's ``slots`` running slots
+    taken by long streams, and ``HELD`` more requests held in the router, by class."""
+    await command(http, url, "/pause_generation?worker=w1", {"mode": "in_place"})
+    await command(http, url, "/update_weight_version?worker=w0", {"new_version": "7"})
+    running: list[int] = []
+    runners = [post(url, RUN, {"X-Priority": "normal"}, running) for _ in range(slots)]
+    async with background(*runners):
+        assert await until(lambda: len(running) == slots), "w0's slots were never all taken"
+        step = Step(http, url)
+        try:
+            for name, count in HELD.items():
+                await step.hold(name, count)
+            yield step
+        finally:
+            for task in step.tasks:
+                task.cancel()
+            await asyncio.gather(*step.tasks, return_exceptions=True)
+
+
+async def held_in(http: aiohttp.ClientSession, url: str, n: int) -> bool:
+    """Whether the router at ``url`` comes to hold ``n`` requests (its gauge), within 5 s."""
+    for _ in range(250):
+        if await metric_sum(http, url, "dprouter_held_requests") == n:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def rl_config(tmp_path: Path, *urls: str) -> RouterConfig:
+    """A router whose clients may name their class (``X-Priority``), with the dashboard."""
+    tenants = tenants_file(tmp_path, {"set_class": True})
+    return RouterConfig(workers=workers(*urls), dashboard=True, tenants=tenants)
+
+
+def view(data: dict[str, Any]) -> tuple[dict[str, int], dict[str, tuple[str | None, str]]]:
+    """What the data says mid-step: requests held by class, and each worker's hold and
+    version."""
+    held = data["router"]["held_requests"]
+    by_class = {name: sum(n.values()) for name, n in held["classes"].items()}
+    assert held["total"] == sum(by_class.values())
+    return by_class, {w["id"]: (w["hold"], w["weight_version"]) for w in data["workers"]}
+
+
+async def test_mid_step_the_data_and_metrics_show_held_requests_holds_and_versions(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    cluster = await start_cluster([SGLANG, SGLANG])
+    router = await start_router(rl_config(tmp_path, *cluster.urls))
+    assert await until(lambda: all(t.board.cap_of(t.slot) for t in router.registry.targets()))
+    async with mid_step(http, router.url):
+        data = await get_data(http, router.url)
+        by_class, workers_seen = view(data)
+        assert by_class == {"high": 2, "normal": 0, "low": 3}
+        assert data["router"]["held_requests"]["classes"]["low"] == {"slot": 3, "worker": 0}
+        assert workers_seen == {"w0": (None, "7"), "w1": ("paused", "default")}
+        w1 = next(w for w in data["workers"] if w["id"] == "w1")
+        assert w1["held"] == "paused" and w1["state"] == "ready"
+        url = router.url
+        for name, count in HELD.items():
+            assert await metric_sum(http, url, "dprouter_held_requests", **{"class": name}) == count
+        assert await metric_sum(http, url, "dprouter_held_requests", why="worker") == 0
+        assert await metric_sum(http, url, "dprouter_worker_held", worker="w1") == 1
+        assert await metric_sum(http, url, "dprouter_worker_held", state="paused") == 1
+        assert await metric_sum(http, url, "dprouter_worker_held", worker="w0") == 0
+        version = "dprouter_worker_weight_version_info"
+        assert await metric_sum(http, url, version, worker="w0", version="7") == 1
+        assert await metric_sum(http, url, version, worker="w1", version="default") == 1
+    assert await held_in(http, router.url, 0)  # the held clients left: none counts on
+    assert view(await get_data(http, router.url))[0] == {"high": 0, "normal": 0, "low": 0}
+
+
+async def test_a_request_waiting_for_a_held_worker_is_held_too(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """Every worker paused: a request waits in the router for the resume (``--hold-wait``),
+    counted as held for a worker, and is served once the workers continue."""
+    cluster = await start_cluster([SGLANG])
+    router = await start_router(RouterConfig(workers=workers(*cluster.urls), dashboard=True))
+    await command(http, router.url, "/pause_generation", {"mode": "in_place"})
+    opened: list[int] = []
+    body = {"prompt": "after the update", "max_tokens": 4, "stream": True}
+    waiting = asyncio.create_task(post(router.url, body, {}, opened))
+    assert await held_in(http, router.url, 1)
+    held = (await get_data(http, router.url))["router"]["held_requests"]
+    assert held["classes"]["high"] == {"slot": 0, "worker": 1}  # no tenants: the first class
+    assert not opened
+    await command(http, router.url, "/continue_generation")
+    await waiting
+    assert opened == [1] and await held_in(http, router.url, 0)
+
+
+async def test_pd_requests_held_for_a_decode_slot_count(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession
+) -> None:
+    """SGLang P/D, a decode of 4 running slots: 4 long requests run, 2 more are held on the
+    decode pool, and the data counts them."""
+    prefill = EngineConfig(persona="sglang", pd=PdConfig("sglang", "prefill"))
+    decode = replace(SGLANG, dp_attention=False, pd=PdConfig("sglang", "decode"))
+    p, d = (await start_cluster([prefill, decode])).servers
+    specs = (WorkerSpec(p.url, role="prefill"), WorkerSpec(d.url, role="decode"))
+    router = await start_router(RouterConfig(pd="sglang", workers=specs, dashboard=True))
+    running: list[int] = []
+    async with background(*(post(router.url, RUN, {}, running) for _ in range(4))):
+        assert await until(lambda: len(running) == 4)
+        short = {"prompt": "short", "max_tokens": 4}
+        async with background(*(post(router.url, short, {}, []) for _ in range(2))):
+            assert await held_in(http, router.url, 2)
+            held = (await get_data(http, router.url))["router"]["held_requests"]
+            assert held["total"] == 2 and held["classes"]["high"] == {"slot": 2, "worker": 0}
+            assert len(d.received) == 4  # held in the router, not on the decode engine
+
+
+async def test_under_two_processes_the_step_is_the_whole_routers(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_processes: StartProcesses,
+    http: aiohttp.ClientSession,
+) -> None:
+    """The same step under --processes 2, each request on a connection of its own: the
+    held requests are summed over both processes, the holds and versions the parent's."""
+    cluster = await start_cluster([SGLANG, SGLANG])
+    sup = await start_processes(rl_config(tmp_path, *cluster.urls))
+    slots = [t.slot for t in sup.registry.targets()]
+    assert await until(lambda: all(sup.board.cap[slots]))
+    async with mid_step(http, sup.url) as step:
+        # the kernel spreads the connections over the two processes: until both hold some
+        while not sup.board.wanting.all() and step.held.total() < 25:
+            await step.hold("low")
+        assert sup.board.wanting.all(), "every held request went to one process"
+        expected = {"high": 2, "normal": 0, "low": step.held["low"]}
+        for _ in range(4):  # whichever process answers, it answers for the whole router
+            async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True)
+            ) as fresh:
+                by_class, workers_seen = view(await get_data(fresh, sup.url))
+            assert by_class == expected
+            assert workers_seen == {"w0": (None, "7"), "w1": ("paused", "default")}
+        assert await metric_sum(http, sup.url, "dprouter_worker_held", state="paused") == 1

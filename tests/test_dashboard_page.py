@@ -1,8 +1,11 @@
 """The dashboard page in a real headless Chromium, against a simulated 2 × DP8 + 1 × DP4
 cluster: it loads cleanly, draws one cell per target, and a loaded rank's cell
-changes colour within 2 s. Skipped where Chromium is missing, except in CI.
+changes colour within 2 s. And mid-way through an RL step over simulated SGLang
+engines: the page's text says how many requests the router holds by class, which
+worker is paused and each one's weights' version. Skipped where Chromium is missing,
+except in CI.
 
-With ``DPROUTER_SCREENSHOT=path`` it also saves the page under load there (how
+The RL step's page is saved as a PNG; with ``DPROUTER_SCREENSHOT=path`` there (how
 docs/dashboard.png is made).
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ from dprouter.config import RouterConfig
 from dprouter.server.router import Router
 from tests.cdp import CHROMIUM, Page, chromium
 from tests.conftest import StartCluster, StartRouter, background, until, workers
+from tests.test_dashboard import HELD, SGLANG, mid_step, rl_config
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(CHROMIUM) and os.environ.get("CI") != "true",
@@ -92,8 +97,6 @@ async def test_the_page_shows_every_target_and_a_loaded_rank_changes_colour(
             assert await wait_for(page, changed, seconds=2.0), "the loaded cell kept its colour"
             assert asyncio.get_running_loop().time() - started < 2.0
             assert await page.evaluate(fill_of(labels[-1])) == idle[labels[-1]] or labels[-1] in hot
-            if shot := os.environ.get("DPROUTER_SCREENSHOT"):
-                await screenshot(page, http, router, Path(shot))
         assert problems(page, router.url) == []
         sent = {e["request"]["url"] for e in page.named("Network.requestWillBeSent")}
         assert {router.url + "/dashboard/dashboard.js", router.url + "/dashboard/data"} <= sent
@@ -109,17 +112,53 @@ async def wait_for(page: Page, condition: str, seconds: float = 10.0) -> bool:
     return bool(await page.evaluate(f"!!({condition})"))
 
 
-async def screenshot(page: Page, http: aiohttp.ClientSession, router: Router, path: Path) -> None:
-    """More load, uneven over the ranks, then the page as a PNG."""
-    opened: list[int] = []
-    spread = [rank for rank, n in enumerate((0, 1, 2, 3, 6, 1, 0, 2)) for _ in range(n)]
-    async with background(*(hold(http, router.url, rank, opened) for rank in spread)):
-        assert await until(lambda: len(opened) == len(spread), 10)
-        for _ in range(20):  # some answered requests, for the rates
-            async with http.post(
-                router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}
-            ) as r:
-                await r.read()
-        await asyncio.sleep(1.5)  # a refresh of the page or two
-        shot = await page.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
-        await asyncio.to_thread(path.write_bytes, base64.b64decode(shot["data"]))
+def rows(table: str) -> str:
+    """Each row of the page's table ``table`` as its rendered cells' text."""
+    found = f"document.querySelectorAll('#{table} tbody tr')"
+    return f"Array.from({found}).map(r => Array.from(r.cells).map(c => c.innerText))"
+
+
+async def test_mid_step_the_page_shows_held_requests_and_each_workers_hold_and_version(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Two SGLang engines of 4 ranks x 2 running slots: w1 paused and w0 at weights 7
+    through the router, w0's 8 slots taken, 3 low and 2 high requests held."""
+    engine = replace(SGLANG, dp_size=4)
+    cluster = await start_cluster([engine, engine])
+    router = await start_router(rl_config(tmp_path, *cluster.urls))
+    assert await until(lambda: all(t.board.cap_of(t.slot) for t in router.registry.targets()))
+    async with chromium() as page:
+        await page.send("Page.navigate", url=router.url + "/dashboard")
+        assert await wait_for(page, f"{CELLS}.length === 8"), "the heat map never drew"
+        async with mid_step(http, router.url, slots=8):
+            shown = "document.querySelector('#held tfoot td:last-child').innerText === '5'"
+            assert await wait_for(page, shown), "the page never said 5 held"
+            held = {r[0]: r[1:] for r in await page.evaluate(rows("held"))}
+            assert held == {  # class: for a slot, for a worker, in all
+                "high": ["2", "0", "2"],
+                "normal": ["0", "0", "0"],
+                "low": ["3", "0", "3"],
+            }
+            assert {name: int(held[name][2]) for name in HELD} == HELD
+            seen = {r[0]: r[1:] for r in await page.evaluate(rows("workers"))}
+            # worker: role, state, hold, weights, ranks, in flight
+            assert seen == {
+                "w0": ["regular", "ready", "serving", "7", "4", "8"],
+                "w1": ["regular", "ready", "paused", "default", "4", "0"],
+            }
+            text = await page.evaluate("document.body.innerText")
+            assert "held in the router" in text and "ready, paused" in text
+            paused = await page.evaluate("document.querySelectorAll('#heat rect.cell.held').length")
+            assert paused == 4  # w1's cells, marked
+            shot = await page.send(
+                "Page.captureScreenshot", format="png", captureBeyondViewport=True
+            )
+        png = base64.b64decode(shot["data"])
+        assert png.startswith(b"\x89PNG")
+        for path in (tmp_path / "dashboard.png", os.environ.get("DPROUTER_SCREENSHOT")):
+            if path:
+                await asyncio.to_thread(Path(path).write_bytes, png)
+        assert problems(page, router.url) == []

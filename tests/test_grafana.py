@@ -84,6 +84,9 @@ async def test_every_query_names_only_exported_series_and_labels(
     board = json.loads(BOARD.read_text())
     checked = queries(board)
     assert len(checked) >= 15
+    queried = {n for expr, _ in checked for n in METRIC.findall(expr)}
+    rl = {"dprouter_held_requests", "dprouter_worker_held", "dprouter_worker_weight_version_info"}
+    assert rl <= queried  # an RL step's panels: held requests, workers' holds and versions
     for expr, legend in checked:
         names = set(METRIC.findall(expr))
         assert names, f"no dprouter series in {expr!r}"

@@ -1,9 +1,10 @@
-"""``dprouter top`` against a simulated 2 × DP8 + 1 × DP4 cluster, through rich's own
-console capture."""
+"""``dprouter top`` against a simulated 2 × DP8 + 1 × DP4 cluster, and mid-way through an
+RL step over simulated SGLang engines, through rich's own console capture."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,6 +16,7 @@ from dprouter.cli.demo import demo_cluster
 from dprouter.cli.top import TopError, top, top_command
 from dprouter.config import RouterConfig
 from tests.conftest import StartCluster, StartRouter, background, until, workers
+from tests.test_dashboard import SGLANG, mid_step, rl_config
 
 LONG: dict[str, Any] = {"model": "demo", "prompt": "hold on", "max_tokens": 3000, "stream": True}
 
@@ -76,6 +78,30 @@ async def test_a_token_is_needed_when_set_and_a_router_without_dashboard_says_so
     plain = await start_router(RouterConfig(workers=workers(*cluster.urls)))
     with pytest.raises(TopError, match="--dashboard"):
         await top(plain.url, once=True, console=Console(record=True))
+
+
+async def test_mid_step_it_shows_the_held_requests_and_each_workers_hold_and_version(
+    tmp_path: Path,
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    cluster = await start_cluster([SGLANG, SGLANG])
+    router = await start_router(rl_config(tmp_path, *cluster.urls))
+    assert await until(lambda: all(t.board.cap_of(t.slot) for t in router.registry.targets()))
+    async with mid_step(http, router.url):
+        console = Console(record=True, width=200)
+        await top(router.url, once=True, console=console)
+        text = console.export_text()
+    assert "5 held (high 2, low 3)" in text
+    printed = {
+        worker: (hold, version)
+        for worker, hold, version in re.findall(
+            r"^(w\d+)\s+regular\s+ready\s+(\w+)\s+(\S+)\s+2\s+\d+$", text, re.MULTILINE
+        )
+    }
+    assert printed == {"w0": ("serving", "7"), "w1": ("paused", "default")}
+    assert re.search(r"^w1/0\s.*\bready, paused$", text, re.MULTILINE)  # its targets say so
 
 
 def test_the_command_refuses_an_unknown_sort() -> None:

@@ -59,13 +59,53 @@ def _heat(load: int, busiest: int) -> str:
     return "green" if share < 0.34 else "yellow" if share < 0.67 else "bold red"
 
 
+def _state_style(target: dict[str, Any], hold: str | None) -> str:
+    if not target["ready"] or target["breaker"] != "closed":
+        return "bold red"
+    return "bold yellow" if hold else ""
+
+
+def _held(router: dict[str, Any]) -> str:
+    """The requests held in the router: how many, and of which classes (those holding);
+    a router older than the count says nothing."""
+    held = router.get("held_requests")
+    if held is None:
+        return "held: -"
+    classes = {name: sum(n.values()) for name, n in held["classes"].items()}
+    which = ", ".join(f"{name} {n}" for name, n in classes.items() if n)
+    return f"{held['total']} held" + (f" ({which})" if which else "")
+
+
+def worker_table(data: dict[str, Any]) -> Table:
+    """Each worker's state, hold (paused, updating, asleep) and weights' version."""
+    flying: dict[str, int] = {}
+    for t in data["targets"]:
+        flying[t["worker"]] = flying.get(t["worker"], 0) + t["in_flight"]
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name in ("worker", "role", "state", "hold", "weights", "ranks", "in flight"):
+        table.add_column(name, justify="right" if name == "in flight" else "left")
+    for w in data["workers"]:
+        hold = w.get("hold")
+        table.add_row(
+            w["id"],
+            w["role"],
+            w["state"] + (f": {w['error']}" if w["error"] else ""),
+            Text(hold or "serving", style="bold yellow" if hold else ""),
+            w["weight_version"] or "-",
+            str(w["dp_size"] or "-"),
+            str(flying.get(w["id"], 0)),
+        )
+    return table
+
+
 def render(data: dict[str, Any], sort: str = "load") -> Group:
     r = data["router"]
     w = r["discovery"]["workers"]
     stale = ", STALE" if r["discovery"]["stale"] else ""
     head = Text(
         f"dprouter {r['version']} · {r['requests_per_second']:.1f} req/s · "
-        f"{r['in_flight']} in flight · loop lag {_ms(r['event_loop_lag_seconds'])} · "
+        f"{r['in_flight']} in flight · {_held(r)} · "
+        f"loop lag {_ms(r['event_loop_lag_seconds'])} · "
         f"workers {w['ready']}/{sum(w.values())} ready ({r['discovery']['source']}{stale}) · "
         f"{r['sessions']} sessions · {r['policy']}, {r['processes']} process(es) · "
         f"up {r['uptime_seconds'] / 60:.0f} min · rates over {data['window_seconds']:.0f} s",
@@ -87,9 +127,13 @@ def render(data: dict[str, Any], sort: str = "load") -> Group:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     targets = sorted(data["targets"], key=SORTS[sort])
     busiest = max((t["load"] for t in targets), default=0)
+    holds = {w["id"]: w.get("hold") for w in data["workers"]}
     for t in targets:
-        state = ("ready" if t["ready"] else "not ready") + (
-            ", breaker open" if t["breaker"] == "open" else ""
+        hold = holds.get(t["worker"])
+        state = (
+            ("ready" if t["ready"] else "not ready")
+            + (f", {hold}" if hold else "")
+            + (", breaker open" if t["breaker"] == "open" else "")
         )
         table.add_row(
             t["target"],
@@ -101,9 +145,9 @@ def render(data: dict[str, Any], sort: str = "load") -> Group:
             _ms(t["ttfb_p50_seconds"]),
             _ms(t["ttfb_p99_seconds"]),
             ", ".join(f"{c} {n}" for c, n in t["errors"].items()),
-            Text(state, style="" if t["ready"] and t["breaker"] == "closed" else "bold red"),
+            Text(state, style=_state_style(t, hold)),
         )
-    parts: list[Any] = [head, table]
+    parts: list[Any] = [head, table, Text(""), worker_table(data)]
     for p in data.get("pairs") or []:
         parts.append(Text(f"pair {p['prefill']} → {p['decode']}: {p['requests']}"))
     return Group(*parts)

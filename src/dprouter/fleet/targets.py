@@ -15,6 +15,12 @@ from typing import Any, Literal
 from dprouter.core.types import DialectName, Role
 from dprouter.fleet.board import Board
 
+# why a ready worker is held (``Worker.held``, set by the engine commands the router
+# relays), and the one word each is shown by: the dashboard, ``dprouter top`` and the
+# ``state`` of ``dprouter_worker_held``
+PAUSED, UPDATING, ASLEEP = "paused", "updating its weights", "asleep"
+HOLDS = {PAUSED: "paused", UPDATING: "updating", ASLEEP: "asleep"}
+
 
 @dataclass(eq=False)
 class Worker:
@@ -65,6 +71,11 @@ class Worker:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def hold(self) -> str | None:
+        """``held`` in one word (``HOLDS``): paused, updating or asleep; None: not held."""
+        return None if self.held is None else HOLDS.get(self.held, self.held)
 
     def serves(self, model: str) -> bool:
         known = self.models or ((self.model,) if self.model else ())

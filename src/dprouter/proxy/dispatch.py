@@ -217,12 +217,12 @@ class Dispatcher:
         options: DispatchOptions,
         output: OutputEstimate,
         lock: BoardLock | None = None,
-        shown: Callable[[int], None] | None = None,
+        shown: Callable[[int, int], None] | None = None,
         on_queued: Callable[[Caller, float], None] | None = None,
         on_shed: Callable[[Caller, str], None] | None = None,
     ) -> None:
         self.options = options
-        self.shown = shown  # told how many are held whenever it changes (a gauge)
+        self.shown = shown  # told of each change in those held: (class, change), a gauge
         self.on_queued = on_queued  # told how long a held request waited for its slot
         self.on_shed = on_shed  # told of a held request answered 503, and why
         self.output = output
@@ -350,7 +350,8 @@ class Dispatcher:
         if self.options.queue and self.held >= self.options.queue:
             self._shed(held)  # room made by shedding a lower class, or Shed raised
         self.queues.setdefault(pool, Line()).push(held)
-        self._count(1)
+        priority = incoming.caller.priority
+        self._count(priority, 1)
         if not self._pumping:
             self.pump()  # a slot may be free now: it goes to the first in line, maybe this one
         self._groups[incoming.group] += 1
@@ -377,7 +378,7 @@ class Dispatcher:
                 ) from None
             raise
         finally:
-            self._count(-1)
+            self._count(priority, -1)
             self._groups[incoming.group] -= 1
             if not self._groups[incoming.group]:
                 del self._groups[incoming.group]
@@ -406,10 +407,10 @@ class Dispatcher:
             Shed(f"{reason}: this request of a lower class made room for a higher one")
         )
 
-    def _count(self, change: int) -> None:
+    def _count(self, priority: int, change: int) -> None:
         self.held += change
         if self.shown is not None:
-            self.shown(self.held)
+            self.shown(priority, change)
 
     def _order(self, held: Held) -> None:
         """Longest predicted output first, ``aging`` tokens per second waited ahead."""

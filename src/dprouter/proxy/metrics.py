@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Protocol
+import glob
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from dprouter.fleet.registry import Registry
-from dprouter.fleet.targets import Target
+from dprouter.fleet.targets import HOLDS, Target
 from dprouter.proxy.local_metrics import CounterFamily, HistogramFamily, Tally
 
 TARGET = ["role", "worker", "dp_rank"]
@@ -27,6 +34,11 @@ DURATION = (
     "Time from request to last byte, by target.",
     TARGET,
 )
+# what a request held in the router waits for: a free running slot (the dispatcher), or a
+# worker that may serve it (every one that could is held, or older than the weights asked)
+Why = Literal["slot", "worker"]
+WHYS: tuple[Why, ...] = ("slot", "worker")
+HELD = "dprouter_held_requests"
 FIRST_BYTE = (
     "dprouter_time_to_first_byte_seconds",
     "Time from request to the first response byte (TTFT for streams), by target.",
@@ -75,9 +87,25 @@ class _Live(Collector):
             "Routing keys manual moved off a target loaded past --session-bound.",
         )
         moves.add_metric([], self.registry.board.moves)
+        held = GaugeMetricFamily(
+            "dprouter_worker_held",
+            "1 for the hold the worker is in (paused, updating its weights, asleep: the "
+            "engine commands relayed), 0 for the others.",
+            labels=["worker", "state"],
+        )
+        version = InfoMetricFamily(
+            "dprouter_worker_weight_version",
+            "The weights' version the worker serves, as its engine last said it.",
+            labels=["worker"],
+        )
         for w in self.registry.workers.values():
             routable = w.ready and not all(t.tripped for t in w.targets)
             ready.add_metric([w.id], 1.0 if routable else 0.0)
+            hold = w.hold
+            for state in HOLDS.values():
+                held.add_metric([w.id, state], 1.0 if state == hold else 0.0)
+            if w.weight_version is not None:
+                version.add_metric([w.id], {"version": w.weight_version})
             for t in w.targets:
                 outstanding.add_metric([w.role, w.id, t.rank_label], t.outstanding)
                 reported.add_metric([w.role, w.id, t.rank_label], t.reported)
@@ -88,6 +116,8 @@ class _Live(Collector):
         yield engine_tokens
         yield token_load
         yield ready
+        yield held
+        yield version
         yield stale
         yield moves
 
@@ -142,10 +172,13 @@ class RouterMetrics:
     """``shared_dir``: one serving process of several; counters and histograms are kept
     in per-process files there (prometheus_client's multiprocess mode) and summed on
     exposition; the gauges are read off the shared board, so they are the whole
-    router's already."""
+    router's already. ``classes``: the priority classes (``--classes``), highest first."""
 
-    def __init__(self, registry: Registry, shared_dir: str | None = None) -> None:
+    def __init__(
+        self, registry: Registry, shared_dir: str | None = None, *, classes: Sequence[str]
+    ) -> None:
         self.shared_dir = shared_dir
+        self.classes = tuple(classes)
         self.live = _Live(registry)
         self.extra: list[Collector] = []  # read at scrape time too (``add``)
         self.prom = CollectorRegistry(auto_describe=False)
@@ -177,11 +210,20 @@ class RouterMetrics:
             registry=p,
         )
         self.held = Gauge(
-            "dprouter_held_requests",
-            "Requests waiting in the router for a free running slot (the dispatcher).",
+            HELD,
+            "Requests held in the router now, by class and what they wait for: a free "
+            "running slot (slot: the dispatcher) or a worker that may serve them (worker: "
+            "every one that could is held, or older than the weights asked for).",
+            ["class", "why"],
             registry=p,
             multiprocess_mode="livesum",
         )
+        # every class's series from the start, at 0 (a query finds them before any is held)
+        self._held = {
+            (priority, why): self.held.labels(name, why)
+            for priority, name in enumerate(self.classes)
+            for why in WHYS
+        }
         # livemax: under --processes, the most lagging live process (a dead one's file goes)
         self.loop_lag = Gauge(
             "dprouter_event_loop_lag_seconds",
@@ -221,6 +263,30 @@ class RouterMetrics:
             p.register(self.live)
         self._series: dict[int, TargetSeries] = {}
         self._pairs: dict[tuple[int, int], tuple[Target, Target, Any]] = {}
+
+    def holding(self, why: Why, priority: int, change: int) -> None:
+        """``change`` more requests of class ``priority`` (an index into ``classes``) held
+        in this process, waiting for ``why``."""
+        self._held[(priority, why)].inc(change)
+
+    def held_now(self) -> dict[tuple[str, str], int]:
+        """Requests held now in the whole router (every serving process's, summed), by
+        (class, why)."""
+        if self.shared_dir is None:
+            families = self.held.collect()
+        else:
+            # the livesum gauges' files alone (this gauge's: prometheus_client names each
+            # file by kind, mode and pid), not every series: 0.1 ms, where all of a busy
+            # router's histograms take 10 ms
+            files = glob.glob(os.path.join(self.shared_dir, "gauge_livesum_*.db"))
+            families = MultiProcessCollector.merge(files)  # type: ignore[no-untyped-call]
+        found: dict[tuple[str, str], int] = {(c, w): 0 for c in self.classes for w in WHYS}
+        for family in families:
+            if family.name == HELD:
+                for s in family.samples:
+                    key = (s.labels["class"], s.labels["why"])
+                    found[key] = found.get(key, 0) + round(s.value)
+        return found
 
     def add(self, collector: Collector) -> None:
         """More series read at scrape time (the KV-event feed's)."""

@@ -34,6 +34,7 @@ from dprouter.core.types import DialectName, Role
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target
 from dprouter.fleet.weights import Wanted, newest
+from dprouter.proxy.limiter import ENTRY
 from dprouter.proxy.metrics import RouterMetrics
 
 DIALECT_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -157,6 +158,9 @@ async def wait_pools(
         return chosen if not isinstance(chosen, web.Response) else once(count=True)
     changed = asyncio.Event()
     registry.listeners.append(changed.set)
+    entry = request.get(ENTRY)
+    priority = 0 if entry is None else entry.caller.priority
+    metrics.holding("worker", priority, 1)  # held in the router: the live view counts it
     try:
         async with asyncio.timeout(wait):
             while waits(chosen):
@@ -177,4 +181,5 @@ async def wait_pools(
             return error(503, f"every worker that could serve it is {why}; waited {wait:g} s")
     finally:
         registry.listeners.remove(changed.set)
+        metrics.holding("worker", priority, -1)
     return chosen if not isinstance(chosen, web.Response) else once(count=True)

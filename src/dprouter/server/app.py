@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from aiohttp import web
 
@@ -78,7 +79,7 @@ def build_app(
         registry = Registry(dp_aware=config.dp_aware != "off")
         for spec in config.workers:
             registry.add(worker_from_spec(spec, registry))
-    metrics = RouterMetrics(registry, metrics_dir)
+    metrics = RouterMetrics(registry, metrics_dir, classes=config.classes)
     # the keys and JWTs it takes; a serving process of --processes N leaves the start-up
     # warning to the parent
     identity = Identity.of(config, warn=control is None)
@@ -229,7 +230,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             DispatchOptions.of(config),
             output,
             parts.lock,
-            parts.metrics.held.set,
+            partial(parts.metrics.holding, "slot"),
             parts.door.queued,
             parts.door.shed,
         ),

@@ -34,7 +34,7 @@ from dprouter.core.types import DialectName
 from dprouter.fleet import probe
 from dprouter.fleet.membership.labels import matches, parse_selector
 from dprouter.fleet.registry import Registry
-from dprouter.fleet.targets import Worker
+from dprouter.fleet.targets import ASLEEP, PAUSED, UPDATING, Worker
 from dprouter.fleet.worker_spec import keys, own_key
 from dprouter.proxy.rankless import ask
 
@@ -42,7 +42,6 @@ from dprouter.proxy.rankless import ask
 Effect = Literal[
     "pause", "resume", "begin", "update", "finish", "version", "sleep", "wake", "adapters"
 ]
-PAUSED, UPDATING, ASLEEP = "paused", "updating its weights", "asleep"
 # a body in the shape the command came in (SGLang's), out in the engine's: (query, body)
 Translate = Callable[[dict[str, Any]], tuple[dict[str, str], dict[str, Any] | None]]
 UPDATE_TIMEOUT = 600.0  # weights from disk, or over NCCL: minutes at most

@@ -97,6 +97,7 @@ class Dashboard:
             pd=config.pd,
             discovery=discovery_source(config.discovery, config.pd),
             sessions=sessions,
+            held=self.parts.metrics.held_now(),
         )
         body = orjson.dumps(build(self.parts.registry, self.window, info))
         headers = {"Cache-Control": "no-store"}

@@ -25,12 +25,18 @@ function colour(load, scale) {
   return `hsl(${Math.round(120 * (1 - f))}, 75%, ${Math.round(50 - 10 * f)}%)`;
 }
 
-function describe(t) {
+function describe(t, hold) {
   const errors = Object.entries(t.errors).map(([c, n]) => `${c} ${n}`).join(", ") || "none";
   return `${t.target} (${t.role})\nin flight ${t.in_flight}, engine running + waiting ` +
     `${t.engine_load}\n${t.requests_per_second} req/s, TTFB p50 ${ms(t.ttfb_p50_seconds)}, ` +
     `p99 ${ms(t.ttfb_p99_seconds)}\nerrors: ${errors}\nbreaker ${t.breaker}` +
-    (t.ready ? "" : ", worker not ready");
+    (t.ready ? "" : ", worker not ready") + (hold ? `, worker ${hold}` : "");
+}
+
+// a target's state: its worker's readiness and hold, its breaker
+function stateOf(t, hold) {
+  return (t.ready ? "ready" : "not ready") + (hold ? `, ${hold}` : "") +
+    (t.breaker === "open" ? ", breaker open" : "");
 }
 
 function drawRouter(r, data) {
@@ -39,6 +45,7 @@ function drawRouter(r, data) {
   const stats = [
     [r.requests_per_second.toFixed(1), "requests/s"],
     [r.in_flight, "in flight"],
+    [r.held_requests.total, "held in the router"],
     [ms(r.event_loop_lag_seconds), "event-loop lag"],
     [`${w.ready}/${w.ready + w.discovering + w.error}`, `workers ready (${r.discovery.source}` +
       (r.discovery.stale ? ", STALE" : "") + ")"],
@@ -82,13 +89,16 @@ function drawHeat(data) {
     });
   }
   const scale = Math.max(4, ...data.targets.map((t) => t.load));
+  const holds = new Map(data.workers.map((w) => [w.id, w.hold]));
   for (const t of data.targets) {
     const cell = svg.querySelector(`rect[data-target="${CSS.escape(t.target)}"]`);
     if (!cell) continue;
+    const hold = holds.get(t.worker);
     cell.setAttribute("fill", colour(t.load, scale));
     cell.setAttribute("data-load", t.load);
-    cell.setAttribute("class", "cell" + (t.breaker === "open" ? " open" : "") + (t.ready ? "" : " down"));
-    cell.firstChild.textContent = describe(t);
+    cell.setAttribute("class", "cell" + (t.breaker === "open" ? " open" : "") +
+      (t.ready ? "" : " down") + (hold ? " held" : ""));
+    cell.firstChild.textContent = describe(t, hold);
   }
 }
 
@@ -118,12 +128,42 @@ function drawLanes(data) {
   svg.replaceChildren(...parts);
 }
 
+function row(cells, attrs) {
+  const tr = el("tr", attrs);
+  for (const v of cells) tr.append(el("td", {}, String(v)));
+  return tr;
+}
+
+// the requests held in the router now, by class: waiting for a running slot (the
+// dispatcher) or for a worker that may serve them (held, or older than the weights asked)
+function drawHeld(r) {
+  const held = r.held_requests;
+  const body = document.querySelector("#held tbody");
+  body.replaceChildren(...Object.entries(held.classes).map(([name, n]) => {
+    const slot = n.slot || 0, worker = n.worker || 0;
+    return row([name, slot, worker, slot + worker], { "data-class": name,
+      class: slot + worker ? "busy" : "" });
+  }));
+  document.querySelector("#held tfoot td:last-child").textContent = String(held.total);
+}
+
+// each worker's hold (paused, updating, asleep: the engine commands relayed) and version
+function drawWorkers(data) {
+  const flying = new Map();
+  for (const t of data.targets) flying.set(t.worker, (flying.get(t.worker) || 0) + t.in_flight);
+  const body = document.querySelector("#workers tbody");
+  body.replaceChildren(...data.workers.map((w) => row([w.id, w.role,
+    w.state + (w.error ? `: ${w.error}` : ""), w.hold || "serving", w.weight_version ?? "–",
+    w.dp_size ?? "–", flying.get(w.id) || 0], { "data-worker": w.id, class: w.hold ? "held" : "" })));
+}
+
 function drawTable(data) {
   const body = document.querySelector("#table tbody");
+  const holds = new Map(data.workers.map((w) => [w.id, w.hold]));
   body.replaceChildren(...data.targets.map((t) => {
     const tr = el("tr");
     const errors = Object.entries(t.errors).map(([c, n]) => `${c} ${n}`).join(", ");
-    const state = (t.ready ? "ready" : "not ready") + (t.breaker === "open" ? ", breaker open" : "");
+    const state = stateOf(t, holds.get(t.worker));
     for (const v of [t.target, t.role, t.in_flight, t.engine_load, t.requests_per_second.toFixed(2),
       ms(t.ttfb_p50_seconds), ms(t.ttfb_p99_seconds), errors, state]) tr.append(el("td", {}, String(v)));
     return tr;
@@ -140,6 +180,8 @@ async function refresh() {
     drawHeat(data);
     drawLanes(data);
     drawTable(data);
+    drawHeld(data.router);
+    drawWorkers(data);
     status.textContent = `live · ${new Date().toLocaleTimeString()}`;
     status.className = "status";
   } catch (err) {

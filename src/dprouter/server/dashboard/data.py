@@ -2,7 +2,9 @@
 
 Its shape is part of the API (docs/router.md, "Dashboard"): add keys, never
 rename them. Loads are read off the targets at the moment of the call (the
-board: the whole router's under ``--processes``), rates off the window.
+board: the whole router's under ``--processes``), the requests held off their gauge
+(summed over the serving processes), the workers' holds and weights' versions off the
+registry (the parent's, which every serving process follows), rates off the window.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class RouterInfo:
     pd: str | None
     discovery: str  # static, etcd, k8s or moriio
     sessions: int  # routing keys held by manual (0 for other policies)
+    held: dict[tuple[str, str], int]  # requests held in the router now, by (class, why)
 
 
 def target_row(target: Target, rates: Rates | None) -> dict[str, Any]:
@@ -72,6 +75,9 @@ def build(registry: Registry, window: Window, info: RouterInfo) -> dict[str, Any
                 }
             )
     states = [w.state for w in workers]
+    classes: dict[str, dict[str, int]] = {}
+    for (name, why), count in info.held.items():
+        classes.setdefault(name, {})[why] = count
     return {
         "window_seconds": round(window.seconds, 3),
         "router": {
@@ -89,8 +95,9 @@ def build(registry: Registry, window: Window, info: RouterInfo) -> dict[str, Any
                 "workers": {s: states.count(s) for s in ("ready", "discovering", "error")},
             },
             "sessions": info.sessions,
+            "held_requests": {"total": sum(info.held.values()), "classes": classes},
         },
-        "workers": [worker_fields(w) for w in workers],
+        "workers": [{**worker_fields(w), "hold": w.hold} for w in workers],
         "targets": targets,
         "lanes": lanes,
         "pairs": pairs,
