@@ -46,7 +46,7 @@ from dprouter.multiproc.control import (
     SUSPECT,
     apply,
 )
-from dprouter.policies import RequestInfo
+from dprouter.policies import RequestInfo, affinity_key
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy.response_ids import ResponseIds
@@ -224,7 +224,7 @@ class Placer:
         self._asked: dict[str, float] = {}
 
     async def place(self, targets: Sequence[Target], info: RequestInfo) -> None:
-        key = info.key
+        key = affinity_key(info)  # as the policy keeps it: per model and adapter
         if key is None:
             return
         held = self.policy.sticky.get(key)

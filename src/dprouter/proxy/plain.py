@@ -108,6 +108,9 @@ class Proxy:
         info = RequestInfo(
             key=None,
             text=incoming.text,
+            model=self.parts.registry.snapshot.named(
+                incoming.model, incoming.body.get("lora_path")
+            ),
             tokens=one.tokens,
             now=started,
             pool=(kind == "generate", incoming.model, None),
@@ -187,6 +190,10 @@ class Proxy:
         info = RequestInfo(
             key=incoming.key,
             text=incoming.text,
+            # affinity per model and adapter: the engine caches each adapter apart
+            model=self.parts.registry.snapshot.named(
+                incoming.model, incoming.body.get("lora_path")
+            ),
             tokens=incoming.tokens,
             now=started,
             pool=(kind == "generate", incoming.model, client.pinned),
