@@ -38,6 +38,7 @@ from dprouter.multiproc.control import (
     EVENTS,
     FAILED,
     PLACE,
+    RELIST,
     RESPONSES,
     REST,
     SEEN,
@@ -304,6 +305,10 @@ class ControlLink:
 
     def placer(self, policy: Manual, role: Role) -> Places:
         return Placer(self.channel, policy, role)
+
+    def relist(self, worker: Worker) -> None:
+        """The parent reads the worker's model list again; its state brings the news."""
+        self.channel.send({"kind": RELIST, "worker": worker.id})
 
     def share_prefixes(self, policy: CacheAware) -> None:
         """Each ``cache_aware`` knows where all the serving processes sent what."""

@@ -302,6 +302,7 @@ class Proxy:
             # an upload the engine began taking cannot go elsewhere: its answer stands
             spent = client.upload is not None and client.upload.begun
             p.retry.judge(target, upstream, spent or attempts.last_chance(candidates))
+            await attempts.served(target, upstream, () if spent else candidates)
             try:
                 series = p.metrics.series(target)
                 answer = await relay(

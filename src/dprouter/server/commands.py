@@ -33,6 +33,7 @@ from dprouter.core.tls import EngineAccess
 from dprouter.core.types import DialectName
 from dprouter.fleet import probe
 from dprouter.fleet.membership.labels import matches, parse_selector
+from dprouter.fleet.model_lists import served
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import keys, own_key
@@ -576,10 +577,8 @@ class Commands:
         if not cards:  # an engine always lists its model: this answer says nothing
             row.setdefault("models_error", "/v1/models listed nothing")
             return
-        worker.models = tuple(card["id"] for card in cards)
-        worker.cards = {card["id"]: card for card in cards}
+        served(self.registry, worker, cards)
         row["models"] = list(worker.models)
-        self.registry.rebuild()
 
     def _set(self, worker: Worker, what: str, on: bool) -> None:
         standing = self.standing.setdefault(worker.id, Standing())
