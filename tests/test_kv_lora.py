@@ -310,10 +310,10 @@ async def test_an_adapter_loaded_through_the_router_is_routed_to_at_once(
     gone = {"lora_name": SQL}
     async with http.post(router.url + path.replace("load", "unload"), json=gone) as r:
         answer = await r.json()  # the second worker never had it: its engine says so
-        assert r.status != 200
+        assert r.status == 200, answer  # every engine that had it unloaded it
     statuses = {row["worker"]: row["status"] for row in answer["workers"]}
     assert statuses == {first.id: 200, second.id: 400 if persona == "sglang" else 404}
     assert SQL not in first.models
     body = {**for_adapter(persona, {"prompt": words(0, 20)}), "max_tokens": 2}
     async with http.post(router.url + "/v1/completions", json=body) as r:
-        assert r.status in (400, 404), await r.text()  # vLLM: the router; SGLang: its engine
+        assert r.status == 404, await r.text()  # the router's, for either engine

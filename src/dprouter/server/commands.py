@@ -38,6 +38,7 @@ from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import keys, own_key
 from dprouter.proxy.rankless import ask
+from dprouter.server import adapter_answers
 
 # what a command does to the router's view of a worker, once its engine said yes
 Effect = Literal[
@@ -460,6 +461,8 @@ class Commands:
         rows = await asyncio.shield(fan)
         if smg:
             return _smg_answer(rows, single=request.match_info.get("worker_id") is not None)
+        if command.effect == "adapters":  # a partial fan-out says what it did
+            return adapter_answers.answer(command.path, rows, body)
         return _answer(command, rows)
 
     async def smg(self, request: web.Request) -> web.Response:
