@@ -12,6 +12,8 @@ import aiohttp
 import pytest
 
 from dprouter.core.headers import TARGET_HEADER
+from dprouter.fleet.model_lists import served
+from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Worker
 from dprouter.multiproc.supervisor import Supervisor
 from dprouter.server.router import Router
@@ -130,3 +132,25 @@ async def test_serving_processes_have_the_parent_read_the_list_again(
     assert await until(lambda: P not in dropped.models)  # the parent's registry
     later = [await ask(http, sup.url, {"model": P}) for _ in range(8)]
     assert dropped.id not in {who for _, who in later}
+
+
+def test_a_list_read_again_rebuilds_the_snapshot_only_when_it_changed() -> None:
+    """vLLM's cards carry their read time and a random permission id: a list that says
+    the same again rebuilds nothing (policies keep their per-pool state); one with an
+    adapter more, or a parent changed, does."""
+    registry = Registry()
+    worker = registry.add(Worker("w0", "http://127.0.0.1:9", dialect="vllm"))
+    worker.ranks = 2
+    registry.mark_ready(worker)
+
+    def card(name: str, parent: str | None, read: int) -> dict[str, Any]:
+        permission = [{"id": f"modelperm-{read}{name}", "created": read}]
+        return {"id": name, "parent": parent, "created": read, "permission": permission}
+
+    assert served(registry, worker, [card("base", None, 1)])
+    version = registry.snapshot.version
+    assert not served(registry, worker, [card("base", None, 2)])
+    assert registry.snapshot.version == version
+    assert served(registry, worker, [card("base", None, 3), card(P, "base", 3)])
+    assert registry.snapshot.pool("regular", P) and registry.snapshot.version > version
+    assert served(registry, worker, [card("base", None, 4), card(P, "other", 4)])

@@ -8,8 +8,10 @@ Both engines list their loaded adapters in ``GET /v1/models`` (vLLM 0.32 with th
 worker. Every ready worker's is read every ``interval`` seconds, all at once, and one
 worker's at once when its engine answers that it does not serve a request's model or
 adapter (``relist``, at most once per ``spacing`` seconds a worker: a burst of such
-answers reads it once). A list that changed rebuilds the snapshot; one that did not
-(vLLM's cards carry the time they were read) does not. A worker that does not answer, or
+answers reads it once). A list that changed, in what the router reads of it (the names,
+each card's ``parent``, ``root`` and ``max_model_len``), rebuilds the snapshot; one that
+did not does not (vLLM's cards carry the time they were read and a random permission
+id: compared whole, every read would rebuild it). A worker that does not answer, or
 lists nothing (an engine always lists its model), keeps the list it had.
 """
 
@@ -45,7 +47,7 @@ def served(registry: Registry, worker: Worker, cards: Sequence[dict[str, Any]]) 
     snapshot is rebuilt, so the adapters' pools follow at once."""
     models = tuple(card["id"] for card in cards)
     fresh = {card["id"]: card for card in cards}
-    news = models != worker.models or _unstamped(fresh) != _unstamped(worker.cards)
+    news = models != worker.models or _read(fresh) != _read(worker.cards)
     worker.cards = fresh
     if news:
         worker.models = models
@@ -53,8 +55,11 @@ def served(registry: Registry, worker: Worker, cards: Sequence[dict[str, Any]]) 
     return news
 
 
-def _unstamped(cards: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {k: {f: v for f, v in c.items() if f != "created"} for k, c in cards.items()}
+READ = ("parent", "root", "max_model_len")  # what the router reads of a card
+
+
+def _read(cards: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, ...]]:
+    return {k: tuple(c.get(f) for f in READ) for k, c in cards.items()}
 
 
 class ModelLists:
