@@ -19,6 +19,7 @@ sent to many adapters does not pile them all onto the rank that first saw it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ def text_blocks(text: str, scratch: I64 | None = None, model: str | None = None)
     return hashes
 
 
+@functools.lru_cache(maxsize=1024)  # the models a router serves: few; a client's own: bounded
 def model_seed(model: str) -> int:
     """A model's 64 bits, the same in every serving process (they tell each other blocks)."""
     digest = hashlib.blake2b(model.encode("utf-8", "surrogatepass"), digest_size=8).digest()
