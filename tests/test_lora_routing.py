@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -13,7 +14,7 @@ from dprouter.core.headers import TARGET_HEADER
 from dprouter.fleet.worker_spec import WorkerSpec
 from dprouter.sim.http.server import SimServer
 from dprouter.sim.model.config import EngineConfig
-from tests.conftest import StartCluster, StartRouter
+from tests.conftest import StartCluster, StartRouter, until
 
 BASE, P, Q = "sim-model", "sql-lora", "chat-lora"
 PERSONAS = ("vllm", "sglang")
@@ -116,3 +117,28 @@ async def test_an_adapter_no_engine_lists_is_refused_in_the_router_alike(
     known = {**as_adapter(persona, P), "prompt": "hello", "max_tokens": 2}
     async with http.post(router.url + "/v1/completions", json=known) as r:
         assert r.status == 200  # a listed adapter goes on
+
+
+async def test_an_sglang_adapter_waits_for_the_paused_worker_that_has_it(
+    start_cluster: StartCluster,
+    start_router: StartRouter,
+    http: aiohttp.ClientSession,
+) -> None:
+    """The only worker listing the adapter is paused (an RL weight update): a request for
+    ``base:adapter`` waits for it, as one for a model only it serves does, not a 404."""
+    plain, lora = EngineConfig(persona="sglang", dp_size=2), engines("sglang", (P,))[0]
+    servers = (await start_cluster([plain, lora])).servers
+    router = await start_router(router_config(servers))
+    held = next(w for w in router.registry.workers.values() if w.url == servers[1].url)
+    pause = f"{router.url}/pause_generation?worker={held.id}"
+    async with http.post(pause, json={"mode": "in_place"}) as r:
+        assert r.status == 200
+    listening = len(router.registry.listeners)
+    asked = asyncio.create_task(complete(http, router.url, as_adapter("sglang", P)))
+    # a request waiting for a pool listens for the registry's changes meanwhile
+    assert await until(lambda: len(router.registry.listeners) > listening)
+    assert not asked.done() and not any(s.received for s in servers)
+    async with http.post(router.url + "/continue_generation", json={}) as r:
+        assert r.status == 200
+    target, _ = await asyncio.wait_for(asked, 10)
+    assert target.startswith(held.id + "/")
