@@ -144,7 +144,9 @@ async def test_chat_stream_opens_with_the_role(
         engine.url + "/v1/chat/completions", json={**body, "model": "other", "stream": False}
     ) as r:
         assert r.status == 404
-        assert (await r.json())["error"]["message"] == "The model `other` does not exist."
+        assert (await r.json())["error"][
+            "message"
+        ] == "The model `other` does not exist. Valid aliases: m."
 
 
 async def test_burst_lands_unevenly_on_stale_stats(

@@ -28,6 +28,7 @@ from dprouter.fleet.breakers import BreakerOptions
 from dprouter.fleet.membership import Source
 from dprouter.fleet.membership.labels import Selector, parse_selector
 from dprouter.fleet.membership.pods import PodRules
+from dprouter.fleet.model_lists import ListOptions
 from dprouter.fleet.monitor import Monitor, MonitorOptions
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.worker_spec import (
@@ -40,7 +41,7 @@ from dprouter.policies import POLICIES, PolicyOptions
 
 # The defaults of options that configure a component are the component's own, stated there
 # (what each means is said there too); the command line's are these fields' (cli/serve.py).
-POLICY, MONITOR, BREAKER = PolicyOptions(), MonitorOptions(), BreakerOptions()
+POLICY, MONITOR, BREAKER, LISTS = PolicyOptions(), MonitorOptions(), BreakerOptions(), ListOptions()
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class RouterConfig:
     health_successes: int = MONITOR.health_successes
     health_timeout: float = MONITOR.health_timeout
     version_interval: float = MONITOR.version_interval  # reads of the weights' versions
+    # seconds between reads of each worker's /v1/models (its LoRA adapters); 0: never
+    models_interval: float = LISTS.interval
     first_byte_timeout: float = 0.0  # seconds to the answer's headers; 0: --read-timeout
     grace: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     # seconds between scrapes of engine-reported load; 0: off; None: 1, or 0.25 with
@@ -230,6 +233,9 @@ class RouterConfig:
             version_interval=self.version_interval,
         )
 
+    def list_options(self) -> ListOptions:
+        return ListOptions(interval=self.models_interval)
+
     def breaker_options(self) -> BreakerOptions:
         return BreakerOptions(self.breaker_failures, self.breaker_cooldown)
 
@@ -301,6 +307,7 @@ def validate(config: RouterConfig) -> RouterConfig:
         "health_interval",
         "health_timeout",
         "version_interval",
+        "models_interval",
         "first_byte_timeout",
         "retry_backoff",
         "total_timeout",

@@ -386,6 +386,15 @@ def make_config(
     help="On SIGTERM, seconds in-flight requests get to finish (a second signal: at once).",
 )
 @option(
+    "--models-interval",
+    type=click.FloatRange(min=0),
+    help=(
+        "Seconds between reads of each worker's /v1/models, where both engines list their "
+        "LoRA adapters: one loaded or unloaded straight at an engine is routed accordingly "
+        "within it (0: off)."
+    ),
+)
+@option(
     "--load-interval",
     type=click.FloatRange(min=0),
     help=(

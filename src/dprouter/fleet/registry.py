@@ -16,6 +16,7 @@ from typing import Any
 
 from dprouter.core.errors import Duplicate
 from dprouter.core.types import DialectName, Role
+from dprouter.fleet import adapters
 from dprouter.fleet.board import Board
 from dprouter.fleet.targets import Target, Worker
 from dprouter.fleet.worker_spec import WorkerSpec
@@ -42,34 +43,16 @@ class Snapshot:
     def pool(
         self, role: Role = "regular", model: str | None = None, dialect: DialectName | None = None
     ) -> tuple[Target, ...]:
-        """Targets of one role serving ``model`` (any if None) in ``dialect`` (any if None)."""
+        """Targets of one role serving ``model`` (any if None) in ``dialect`` (any if None).
+        ``model`` is a name as ``named`` writes it: SGLang's ``base:adapter`` goes to the
+        SGLang workers listing the adapter (and its base, when the base is a name some
+        worker lists: SGLang does not check it); an adapter no worker lists, only to
+        workers that list nothing (which may have it)."""
         key = (role, model, dialect)
         found = self._pools.get(key)
         if found is None:
             if model is not None and model not in self.known_models:
-                adapter = self.adapter(model)
-                if adapter is not None:  # SGLang's base:adapter, where the adapter is listed
-                    found = self._pools[key] = interleave(
-                        w
-                        for w in self.workers
-                        if w.role == role
-                        and w.dialect == "sglang"
-                        and w.serves(adapter[0])
-                        and adapter[1] in w.models
-                        and (dialect is None or w.dialect == dialect)
-                    )
-                    return found
-                # a name no worker lists goes where any name is served: SGLang engines (they
-                # serve whatever a client writes, "default" say) and workers that list none.
-                # Never cached, so clients cannot grow the cache
-                return interleave(
-                    w
-                    for w in self.workers
-                    if w.role == role
-                    and (w.dialect == "sglang" or not (w.models or w.model))
-                    and (dialect is None or w.dialect == dialect)
-                )
-
+                return self._unlisted(role, model, dialect)
             chosen = [
                 w
                 for w in self.workers
@@ -80,28 +63,46 @@ class Snapshot:
             found = self._pools[key] = interleave(chosen)
         return found
 
-    def named(self, model: str | None, lora_path: object = None) -> str | None:
-        """The name a request's pool is chosen by: its ``model``, or, when the body names
-        a loaded adapter in SGLang's ``lora_path`` (a batch: its first), that adapter --
-        ``base:adapter`` under a base model's name, the adapter alone with no model (the
-        workers that list it). An adapter no worker lists leaves the model's pool."""
-        if isinstance(lora_path, list):
-            lora_path = lora_path[0] if lora_path else None
-        if not isinstance(lora_path, str) or lora_path not in self.known_models:
-            return model
-        return lora_path if model is None else f"{model}:{lora_path}"
+    def _unlisted(self, role: Role, model: str, dialect: DialectName | None) -> tuple[Target, ...]:
+        """The pool of a name no worker lists. Cached only when the names in it are listed
+        ones (clients cannot grow the cache)."""
+        known = self.known_models
+        adapter = adapters.split(model, known)
+        if adapter is None:
+            # a plain name goes where any name is served: SGLang engines (they serve whatever
+            # a client writes, "default" say) and workers that list none
+            return interleave(
+                w
+                for w in self.workers
+                if w.role == role
+                and (w.dialect == "sglang" or not (w.models or w.model))
+                and (dialect is None or w.dialect == dialect)
+            )
+        base, name = adapter
+        listed = name in known
+        found = interleave(
+            w
+            for w in self.workers
+            if w.role == role
+            and (dialect is None or w.dialect == dialect)
+            and (
+                (
+                    w.dialect == "sglang"
+                    and name in w.models
+                    and (base not in known or w.serves(base))
+                )
+                if listed
+                else not (w.models or w.model)
+            )
+        )
+        if listed and (not base or base in known):
+            self._pools[(role, model, dialect)] = found
+        return found
 
-    def adapter(self, model: str) -> tuple[str, str] | None:
-        """SGLang's ``base:adapter`` (``_parse_model_parameter``): (base, adapter) when
-        both are names the workers list, the adapter loaded on some (its card in
-        ``/v1/models``); None otherwise. Both known, the pool may be cached: the names
-        are bounded by what the workers list."""
-        bases = [m for m in self.known_models if model.startswith(m + ":")]
-        if not bases:
-            return None
-        base = max(bases, key=len)
-        adapter = model[len(base) + 1 :].strip()
-        return (base, adapter) if adapter in self.known_models else None
+    def named(self, model: str | None, lora_path: object = None) -> str | None:
+        """The name a request runs under (``adapters.named``): its ``model``, or with
+        SGLang's ``lora_path`` ``model:adapter``; its pool is ``pool``'s of that name."""
+        return adapters.named(model, lora_path, self.known_models)
 
     def model_cards(self) -> dict[str, dict[str, Any]]:
         """One card per model, as the engines wrote it (the first worker listing it), with

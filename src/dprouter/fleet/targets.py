@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dprouter.core.types import DialectName, Role
+from dprouter.fleet import adapters
 from dprouter.fleet.board import Board
 
 # why a ready worker is held (``Worker.held``, set by the engine commands the router
@@ -78,8 +79,13 @@ class Worker:
         return None if self.held is None else HOLDS.get(self.held, self.held)
 
     def serves(self, model: str) -> bool:
+        """``model`` is a name it lists (any name, when it lists none), or, on SGLang, a
+        ``base:adapter`` of an adapter it lists (``fleet/adapters``)."""
         known = self.models or ((self.model,) if self.model else ())
-        return not known or model in known
+        if not known or model in known:
+            return True
+        adapter = adapters.split(model, known) if self.dialect == "sglang" else None
+        return adapter is not None and adapter[1] in known
 
 
 class Target:

@@ -23,6 +23,7 @@ from dprouter.config import RouterConfig, sources
 from dprouter.core.errors import error
 from dprouter.fleet.breakers import Breakers
 from dprouter.fleet.membership.moriio import Registration
+from dprouter.fleet.model_lists import ModelLists
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target, Worker
@@ -46,6 +47,7 @@ DASHBOARD = "/control/dashboard"  # GET -> {"sessions", "started"}
 # events a serving process sends, and what each carries besides its kind
 LISTENING = "listening"  # "row": it listens on the port
 SUSPECT = "suspect"  # "worker": it refused a connection
+RELIST = "relist"  # "worker": its engine said it does not serve a model asked of it
 FAILED, SUCCEEDED = "failed", "succeeded"  # "slot": an attempt's outcome, for the breakers
 REST = "rest"  # "slot", "seconds": the engine asked for a pause (Retry-After)
 SEEN = "seen"  # "row", "slot", "blocks": cache_aware sent a prompt's blocks there
@@ -135,6 +137,8 @@ class ControlPlane:
         self._claims: dict[str, Claims | None] = {}  # under etcd discovery, by role
         self.registration: Registration | None = None
         self.sources = sources(config, registry, monitor)  # of workers: etcd
+        # the engines' model lists, read again while they run (adapters loaded at them)
+        self.lists = ModelLists(registry, config.list_options(), config.engine_access())
         self.listening: set[int] = set()  # rows of the serving processes that listen
         self.joined = asyncio.Event()  # set when one more starts listening
         self.started = time.time()  # the router's start, for the dashboard's uptime
@@ -185,6 +189,7 @@ class ControlPlane:
         for source in self.sources:
             await source.start()
         await self.monitor.start()
+        await self.lists.start()
 
     async def stop(self) -> None:
         if self.registration is not None:
@@ -192,6 +197,7 @@ class ControlPlane:
         for source in self.sources:
             await source.stop()
         await self.monitor.stop()
+        await self.lists.stop()
         self.breakers.stop()
         await self.identity.stop()
         if self._runner is not None:
@@ -231,10 +237,12 @@ class ControlPlane:
                 self.listening.add(int(event["row"]))
                 self.joined.set()
                 continue
-            if kind == SUSPECT:
+            if kind in (SUSPECT, RELIST):
                 worker = self.registry.workers.get(event["worker"])
-                if worker is not None:
+                if worker is not None and kind == SUSPECT:
                     self.monitor.suspect(worker)
+                elif worker is not None:
+                    self.lists.relist(worker)
                 continue
             if kind == VERSION:
                 worker = self.registry.workers.get(event["worker"])

@@ -39,6 +39,7 @@ from dprouter.multiproc.control import (
     EVENTS,
     FAILED,
     PLACE,
+    RELIST,
     RESPONSES,
     REST,
     SEEN,
@@ -49,7 +50,7 @@ from dprouter.multiproc.control import (
     VERSIONS,
     apply,
 )
-from dprouter.policies import RequestInfo
+from dprouter.policies import RequestInfo, affinity_key
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
 from dprouter.proxy.response_ids import ResponseIds
@@ -242,7 +243,7 @@ class Placer:
         self._asked: dict[str, float] = {}
 
     async def place(self, targets: Sequence[Target], info: RequestInfo) -> None:
-        key = info.key
+        key = affinity_key(info)  # as the policy keeps it: per model and adapter
         if key is None:
             return
         held = self.policy.sticky.get(key)
@@ -322,6 +323,10 @@ class ControlLink:
 
     def placer(self, policy: Manual, role: Role) -> Places:
         return Placer(self.channel, policy, role)
+
+    def relist(self, worker: Worker) -> None:
+        """The parent reads the worker's model list again; its state brings the news."""
+        self.channel.send({"kind": RELIST, "worker": worker.id})
 
     def share_prefixes(self, policy: CacheAware) -> None:
         """Each ``cache_aware`` knows where all the serving processes sent what."""

@@ -12,6 +12,7 @@ from dprouter.policies.base import (
     Queued,
     QueuedBy,
     RequestInfo,
+    affinity_key,
     needs_tokens,
 )
 from dprouter.policies.cache_aware import CacheAware
@@ -56,6 +57,7 @@ __all__ = [
     "Queued",
     "QueuedBy",
     "RequestInfo",
+    "affinity_key",
     "make_policy",
     "needs_tokens",
 ]

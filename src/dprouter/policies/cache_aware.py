@@ -12,11 +12,15 @@ takes the request -- and the prompt's blocks with it, so a hot prefix spreads ov
 more targets as the fleet's load grows instead of piling onto one. (The rule was
 the SGLang gateway's: yield only once the busiest had 32 requests over the idlest
 and 1.5x its load; a hot 20k-token system prompt at concurrency 64 put 33 of the
-first 64 requests on one rank of 16.)
+first 64 requests on one rank of 16.) The blocks are hashed per model, adapter included
+(``RequestInfo.model``): the engine caches each adapter's KV apart, so one system prompt
+sent to many adapters does not pile them all onto the rank that first saw it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -32,18 +36,29 @@ I64 = npt.NDArray[np.int64]
 CAPACITY = 16_384  # blocks remembered per target (~1 MB of prompt text)
 
 
-def text_blocks(text: str, scratch: I64 | None = None) -> list[int]:
+def text_blocks(text: str, scratch: I64 | None = None, model: str | None = None) -> list[int]:
     """Block i's hash covers blocks 0..i, so equal hashes mean an equal prefix. Compiled
     (``kernels.block_hashes``): the same in every process whatever its hash seed, and a
     20k-token system prompt costs ~50 us where hashing it block by block in Python cost
-    180. ``scratch``: where the kernel writes (a new array if it is too short)."""
+    180. ``scratch``: where the kernel writes (a new array if it is too short). ``model``
+    (adapter included) sets every hash apart, as an engine keeps each adapter's KV apart:
+    one prompt sent to two adapters matches neither's blocks."""
     raw = text.encode("utf-8", "surrogatepass")  # JSON may carry a lone surrogate
     need = len(raw) // kernels.BLOCK + 1
     if scratch is None or len(scratch) < need:
         scratch = np.empty(need, np.int64)
     n = kernels.block_hashes(raw, scratch)
+    if model is not None:
+        scratch[:n] ^= model_seed(model)  # an equal prefix is still an equal chain
     hashes: list[int] = scratch[:n].tolist()
     return hashes
+
+
+@functools.lru_cache(maxsize=1024)  # the models a router serves: few; a client's own: bounded
+def model_seed(model: str) -> int:
+    """A model's 64 bits, the same in every serving process (they tell each other blocks)."""
+    digest = hashlib.blake2b(model.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 class CacheAware:
@@ -67,7 +82,7 @@ class CacheAware:
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
-        blocks = text_blocks(request.text, self._scratch)
+        blocks = text_blocks(request.text, self._scratch, request.model)
         if len(targets) == 1:
             chosen = targets[0]
         else:

@@ -7,6 +7,8 @@ changes, so a returning session costs a dictionary lookup, not a scan. Requests
 with no key are spread at random. A new key scores every target, in one compiled
 loop (``kernels.rendezvous``; 4,096 targets: ~9 us, where numpy's eight array
 operations took ~22 us and Python ~5 ms), with the same scores and the same winner.
+A key is hashed with the model it runs, adapter included (``affinity_key``): an engine
+caches each adapter's prompts apart.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy.typing as npt
 
 from dprouter.fleet.targets import Target
 from dprouter.policies import kernels
-from dprouter.policies.base import PolicyOptions, RequestInfo, make_rng
+from dprouter.policies.base import PolicyOptions, RequestInfo, affinity_key, make_rng
 
 MASK = (1 << 64) - 1
 CACHE = 100_000  # winners remembered per snapshot: a key's winner only changes with the pool
@@ -58,18 +60,19 @@ class ConsistentHash:
         return seed
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
-        if request.key is None:
+        wanted = affinity_key(request)  # per model and adapter: each caches apart
+        if wanted is None:
             return targets[self.rng.randrange(len(targets))]
         if targets is not self._pool:  # a new snapshot (or a retry's subset): forget winners
             self._pool, self._chosen = targets, {}
-        found = self._chosen.get(request.key)
+        found = self._chosen.get(wanted)
         if found is None:
             if len(self._seeds) < len(targets) or targets is not self._seeded:
                 self._seeded = targets
                 self._vector = np.array([self._seed(t) for t in targets], np.uint64)
                 self._scores = np.zeros(len(targets), np.uint64)
-            key = np.uint64(hash64(request.key))
+            key = np.uint64(hash64(wanted))
             found = targets[kernels.rendezvous(self._vector, key, self._scores)]
             if len(self._chosen) < CACHE:
-                self._chosen[request.key] = found
+                self._chosen[wanted] = found
         return found

@@ -11,7 +11,9 @@ keeps light load from ever moving a session (its prefix cache is worth more
 than one request of imbalance); the bound caps what one rank can be handed
 beyond its share (bounded-load consistent hashing's rule, with slack). 0
 turns yielding off. Keys idle longer than ``key_ttl`` are forgotten. Requests
-with no key go to the least loaded target.
+with no key go to the least loaded target. A key sticks per model, its adapter included
+(``affinity_key``): a session sent to two adapters, whose prompts an engine caches
+apart, is two keys.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dprouter.policies.base import (
     PolicyOptions,
     Reader,
     RequestInfo,
+    affinity_key,
     least_loaded,
     make_rng,
     readers,
@@ -52,7 +55,7 @@ class Manual:
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self._expire(request.now)
-        key = request.key
+        key = affinity_key(request)
         if key is None:
             self.start += 1
             return least_loaded(targets, self.start, self.readers.of(targets))

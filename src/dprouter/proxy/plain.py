@@ -109,6 +109,9 @@ class Proxy:
         info = RequestInfo(
             key=None,
             text=incoming.text,
+            model=self.parts.registry.snapshot.named(
+                incoming.model, incoming.body.get("lora_path")
+            ),
             tokens=one.tokens,
             now=started,
             pool=(kind == "generate", incoming.model, None),
@@ -188,6 +191,10 @@ class Proxy:
         info = RequestInfo(
             key=incoming.key,
             text=incoming.text,
+            # affinity per model and adapter: the engine caches each adapter apart
+            model=self.parts.registry.snapshot.named(
+                incoming.model, incoming.body.get("lora_path")
+            ),
             tokens=incoming.tokens,
             now=started,
             pool=(kind == "generate", incoming.model, client.pinned),
@@ -296,6 +303,7 @@ class Proxy:
             # an upload the engine began taking cannot go elsewhere: its answer stands
             spent = client.upload is not None and client.upload.begun
             p.retry.judge(target, upstream, spent or attempts.last_chance(candidates))
+            await attempts.served(target, upstream, () if spent else candidates)
             try:
                 series = p.metrics.series(target)
                 answer = await relay(

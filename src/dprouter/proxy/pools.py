@@ -31,6 +31,7 @@ from aiohttp import web
 from dprouter.core.errors import ConfigError, error
 from dprouter.core.headers import WEIGHT_VERSION_HEADER
 from dprouter.core.types import DialectName, Role
+from dprouter.fleet import adapters
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import Target
 from dprouter.fleet.weights import Wanted, newest
@@ -74,7 +75,7 @@ def choose_pools(
     if model is not None and all(snapshot.pool(role, None, dialect) for role in roles):
         if count:
             metrics.rejected.labels("unknown_model").inc()
-        return error(404, f"The model `{model}` does not exist.", "model")
+        return error(404, adapters.missing(model), "model")
     missing = next(role for role, pool in zip(roles, pools, strict=True) if not pool)
     return no_pool(registry, metrics, dialect, path, missing, count)
 

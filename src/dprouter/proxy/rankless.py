@@ -85,7 +85,15 @@ class Rankless:
             p.tracing.decision(request, started_ns, LEAST_BUSY, target, len(candidates), tried)
             last_chance = attempts.last_chance(candidates)
             return await self.one(
-                request, target, data, headers, started, attempts, last_chance, target.worker.id
+                request,
+                target,
+                data,
+                headers,
+                started,
+                attempts,
+                last_chance,
+                target.worker.id,
+                candidates,
             )
 
         return await attempts.run((order,), attempt)
@@ -100,9 +108,11 @@ class Rankless:
         attempts: Attempts,
         last_chance: bool,
         label: str | None = None,
+        candidates: Sequence[Target] = (),
     ) -> web.StreamResponse:
         """One attempt on ``target``, the request's method and path as they came; on the
-        last chance the engine's answer, whatever it is, goes to the client."""
+        last chance the engine's answer, whatever it is, goes to the client. ``candidates``:
+        the targets left, where a model the engine does not serve may go instead."""
         p = self.parts
         method = request.method
         headers[REQUEST_ID_HEADER] = request_id(request)
@@ -111,6 +121,7 @@ class Rankless:
             upstream = await p.upstream.post(target, request.path_qs, data, headers, method=method)
             span.set("http.response.status_code", upstream.status)
             p.retry.judge(target, upstream, last_chance)
+            await attempts.served(target, upstream, () if last_chance else candidates)
             try:
                 series = p.metrics.series(target)
                 extra = None if label is None else {TARGET_HEADER: label}

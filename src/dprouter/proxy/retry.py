@@ -10,6 +10,10 @@ Before any byte reaches the client, a failed attempt is tried again elsewhere:
 - 408 and 429 say busy, not broken: retried, no breaker count;
 - a 5xx counts against the rank's breaker, retried or passed through;
 - ``Retry-After`` on 429/503 rests the target for that long;
+- an engine that says it does not serve the request's model or LoRA adapter (its list
+  changed behind the router's back: vLLM's 404 "does not exist", SGLang's 400 "never
+  been loaded") has its list read again (``relist``), and the request goes once to
+  another worker of its pool, counting against no breaker (``Attempts.served``);
 - the last chance passes the engine's own answer through;
 - when every attempt was refused, the client hears 503 (nothing is up), else 502.
 
@@ -39,6 +43,18 @@ BUSY = frozenset({408, 429})
 RETRY_BACKOFF_MAX = 1.0  # seconds, the longest wait between two attempts
 REST_MAX = 60.0  # seconds, the longest pause a Retry-After can ask of a target
 WORKER_DOWN = frozenset({"connect", "connect_timeout", "no_answer"})  # all its ranks are out
+NOT_SERVED = "not_served"  # the worker's engine does not serve the model: all its ranks are out
+# what the engines answer for a model or adapter they do not serve: vLLM 0.32's 404
+# (``_check_model``), SGLang 0.5.23's 400 (``_resolve_lora_path``, ``LoRARegistry.acquire``,
+# LoRA not enabled); the body is read only for these statuses, and only when short
+NOT_SERVED_STATUS = frozenset({400, 404})
+NOT_SERVED_WORDS = (
+    b"` does not exist",  # vLLM: "The model `X` does not exist" (not SGLang's session ids)
+    b"has never been loaded",
+    b"adapters are not loaded",
+    b"but LoRA is not enabled",
+)
+NOT_SERVED_BODY = 1 << 16
 # one attempt over the targets left of each pool; ``Failed``: to be tried elsewhere
 Attempt = Callable[[Pools], Awaitable[web.StreamResponse]]
 
@@ -63,10 +79,12 @@ class Retry:
         limit: int,
         backoff: float,
         seed: int = 0,
+        relist: Callable[[Worker], None] | None = None,
     ) -> None:
         self.breakers = breakers
         self.metrics = metrics
         self.suspect = suspect
+        self.relist = relist  # read a worker's model list again (``fleet/model_lists``)
         self.limit = limit
         self.backoff = backoff
         self.jitter = random.Random(seed)
@@ -91,7 +109,7 @@ class Attempts:
     """One request's attempts: which targets are left, and what the client hears at the end.
     A failed attempt is tried again elsewhere until ``limit`` attempts have failed."""
 
-    __slots__ = ("last", "refused", "rules", "shunned", "tried", "unopened")
+    __slots__ = ("last", "refused", "relisted", "rules", "shunned", "tried", "unopened")
 
     def __init__(self, rules: Retry) -> None:
         self.rules = rules
@@ -99,6 +117,7 @@ class Attempts:
         self.unopened: list[Target] = []  # tried, but no connection opened: the request never left
         self.shunned: set[Worker] = set()  # refused, reset or silent: all its ranks are out
         self.refused = 0
+        self.relisted = False  # an engine said it does not serve the model (once a request)
         self.last = "no attempt was made"
 
     async def run(self, pools: Pools, one: Attempt, what: str = "attempt") -> web.StreamResponse:
@@ -136,6 +155,33 @@ class Attempts:
         self.unopened = [t for t in self.unopened if t not in again]
         return again
 
+    async def served(
+        self, target: Target, upstream: aiohttp.ClientResponse, candidates: Sequence[Target]
+    ) -> None:
+        """The rule for an engine that does not serve the request's model or adapter (the
+        answer's body, read here, is relayed as read): its list is read again, and
+        ``Failed`` sends the request once to another worker among ``candidates``; with none
+        left, or a second time, the engine's answer passes."""
+        if upstream.status not in NOT_SERVED_STATUS or self.relisted:
+            return
+        length = upstream.content_length
+        if length is None or length > NOT_SERVED_BODY:
+            return  # not the engines' short JSON refusal
+        try:
+            body = await upstream.read()  # kept by the response: ``relay`` sends it
+        except (aiohttp.ClientError, TimeoutError):
+            return  # the relay finds it broken too, and says so
+        if not any(words in body for words in NOT_SERVED_WORDS):
+            return
+        self.relisted = True
+        if self.rules.relist is not None:
+            self.rules.relist(target.worker)
+        more = len(self.tried) + 1 < self.rules.limit  # within the retry rules' attempts
+        if more and any(t.worker is not target.worker for t in candidates):
+            upstream.release()
+            why = f"HTTP {upstream.status}: {target.worker.id} does not serve the model asked for"
+            raise Failed(target, NOT_SERVED, why)
+
     def last_chance(self, candidates: Sequence[Target]) -> bool:
         """No other target would be tried after this one: its answer reaches the client."""
         return len(self.tried) + 1 >= self.rules.limit or len(candidates) == 1
@@ -154,11 +200,11 @@ class Attempts:
         if cause == "connect":  # the worker is down, not one rank broken: no breaker count
             self.refused += 1
             self.rules.suspect(target.worker)
-        elif not cause.startswith("status_"):  # a status was judged as it arrived
+        elif not cause.startswith("status_") and cause != NOT_SERVED:  # judged as it came
             self.rules.breakers.failed(target)
         if cause == "connect_timeout":
             self.unopened.append(target)
-        if cause in WORKER_DOWN:
+        if cause in WORKER_DOWN or cause == NOT_SERVED:
             self.shunned.add(target.worker)
 
     def answered(self, answer: web.StreamResponse, *targets: Target) -> None:

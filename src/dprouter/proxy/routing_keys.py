@@ -22,7 +22,7 @@ from typing import Protocol
 from dprouter.core.errors import EtcdError
 from dprouter.fleet.membership.etcd_client import Etcd
 from dprouter.fleet.targets import Target
-from dprouter.policies import PolicyOptions, RequestInfo
+from dprouter.policies import PolicyOptions, RequestInfo, affinity_key
 from dprouter.policies.consistent_hash import ConsistentHash
 from dprouter.policies.manual import Manual
 
@@ -64,7 +64,7 @@ class Claims:
         self._retry_at = float("-inf")
 
     async def place(self, targets: Sequence[Target], info: RequestInfo) -> None:
-        key = info.key
+        key = affinity_key(info)  # as the policy keeps it: per model and adapter
         if key is None:
             return
         held = self.policy.sticky.get(key)

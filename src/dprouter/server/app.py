@@ -27,8 +27,10 @@ from dprouter.engines.kvevents.metrics import KvCollector
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.breakers import Breakers
 from dprouter.fleet.membership.moriio import Registration
+from dprouter.fleet.model_lists import ModelLists
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry, worker_from_spec
+from dprouter.fleet.targets import Worker
 from dprouter.policies import Policy, make_policy, needs_tokens
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
@@ -105,6 +107,7 @@ def build_app(
         parts.metrics.add(KvCollector(parts.feed))
     if control is None:
         parts.sources = sources(config, registry, parts.monitor)
+        parts.lists = ModelLists(registry, config.list_options(), access)
     else:
         parts.breakers = control.breakers(config.breaker_options())
         parts.response_ids = control.response_ids()
@@ -177,6 +180,11 @@ def placer_for(parts: Parts, policy: Policy, role: Role) -> Places | None:
     return placer
 
 
+def relist_of(control: Control | None) -> Callable[[Worker], None] | None:
+    """A serving process of several: the parent reads the engines' model lists."""
+    return None if control is None else control.relist
+
+
 @web.middleware
 async def _last_resort(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every answer is in OpenAI's error shape, a bug's too (and it is logged with its trace)."""
@@ -223,6 +231,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             limit=config.attempts,
             backoff=config.retry_backoff,
             seed=config.seed,
+            relist=parts.lists.relist if parts.lists is not None else relist_of(parts.control),
         ),
         output,
         Aborter(session, parts.access),
@@ -261,6 +270,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if parts.feed is not None:
         await parts.feed.start()
     await parts.monitor.start()
+    if parts.lists is not None:
+        await parts.lists.start()
     parts.lag.start()
     try:
         yield
@@ -271,6 +282,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         for source in parts.sources:
             await source.stop()
         await parts.monitor.stop()
+        if parts.lists is not None:
+            await parts.lists.stop()
         if parts.feed is not None:
             await parts.feed.stop()
         if parts.lookup is not None:

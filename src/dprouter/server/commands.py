@@ -33,10 +33,12 @@ from dprouter.core.tls import EngineAccess
 from dprouter.core.types import DialectName
 from dprouter.fleet import probe
 from dprouter.fleet.membership.labels import matches, parse_selector
+from dprouter.fleet.model_lists import served
 from dprouter.fleet.registry import Registry
 from dprouter.fleet.targets import ASLEEP, PAUSED, UPDATING, Worker
 from dprouter.fleet.worker_spec import keys, own_key
 from dprouter.proxy.rankless import ask
+from dprouter.server import adapter_answers
 
 # what a command does to the router's view of a worker, once its engine said yes
 Effect = Literal[
@@ -458,6 +460,8 @@ class Commands:
         rows = await asyncio.shield(fan)
         if smg:
             return _smg_answer(rows, single=request.match_info.get("worker_id") is not None)
+        if command.effect == "adapters":  # a partial fan-out says what it did
+            return adapter_answers.answer(command.path, rows, body)
         return _answer(command, rows)
 
     async def smg(self, request: web.Request) -> web.Response:
@@ -575,10 +579,8 @@ class Commands:
         if not cards:  # an engine always lists its model: this answer says nothing
             row.setdefault("models_error", "/v1/models listed nothing")
             return
-        worker.models = tuple(card["id"] for card in cards)
-        worker.cards = {card["id"]: card for card in cards}
+        served(self.registry, worker, cards)
         row["models"] = list(worker.models)
-        self.registry.rebuild()
 
     def _set(self, worker: Worker, what: str, on: bool) -> None:
         standing = self.standing.setdefault(worker.id, Standing())

@@ -18,8 +18,10 @@ from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.breakers import BreakerOptions, Breakers
 from dprouter.fleet.membership import Source
 from dprouter.fleet.membership.moriio import Registration
+from dprouter.fleet.model_lists import ModelLists
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry
+from dprouter.fleet.targets import Worker
 from dprouter.policies import Policy
 from dprouter.policies.cache_aware import CacheAware
 from dprouter.policies.manual import Manual
@@ -64,6 +66,11 @@ class Control(Protocol):
         """``cache_aware`` learns what the other processes sent where."""
         ...
 
+    def relist(self, worker: Worker) -> None:
+        """The worker's engine does not serve a model asked of it: the parent reads its
+        model list again."""
+        ...
+
     async def held(self) -> tuple[int, float] | None:
         """For the dashboard: routing keys held, and when the router started (None: the
         parent did not say)."""
@@ -95,6 +102,7 @@ class Parts:
     lock: BoardLock | None = None  # ...and its decisions, one at a time with the others'
     lag: LoopLag = field(default_factory=LoopLag)  # the event loop's, for /metrics
     lookup: Lookup | None = None  # a policy that needs tokens: the prompt against the index
+    lists: ModelLists | None = None  # the engines' model lists read again (not --processes)
     feed: Feed | None = None  # ...and the engines' KV events that build it
 
 

@@ -93,12 +93,15 @@ class PairProxy:
         if kind == "generate" and p.config.pd != "sglang":
             return error(404, f"/generate is SGLang's own; this router runs {p.config.pd}")
         pinned: dict[Role, int | None] = {"prefill": client.pinned_prefill, "decode": client.pinned}
+        named = p.registry.snapshot.named(
+            client.incoming.model, client.incoming.body.get("lora_path")
+        )
         pools = await wait_pools(
             request,
             p.registry,
             p.metrics,
             ("prefill", "decode"),
-            p.registry.snapshot.named(client.incoming.model, client.incoming.body.get("lora_path")),
+            named,
             p.config.hold_wait,
             pinned=pinned,
             read_versions=p.monitor.read_versions,
@@ -111,6 +114,7 @@ class PairProxy:
         info = RequestInfo(
             key=incoming.key,
             text=incoming.text,
+            model=named,  # affinity per model and adapter, on either side
             tokens=incoming.tokens,
             now=started,
         )

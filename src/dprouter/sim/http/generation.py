@@ -57,6 +57,7 @@ class Generation:
         self.prefill_meta: dict[str, object] = {}  # and what it was told of its decode peer
         self.remote_kv = False  # a decode took its KV from a prefill engine
         self.early: web.StreamResponse | None = None  # a streaming decode's answer, begun
+        self.answered_as = server.config.model  # the model its answer names
 
     def fail(
         self, status: int, message: str, etype: str = "BadRequestError", param: str | None = None
@@ -64,11 +65,15 @@ class Generation:
         body = self.server.persona.error_body(status, message, etype, param, self.kind)
         return web.json_response(body, status=status, headers=self.headers, dumps=_dumps)
 
-    async def stream_fail(self, message: str) -> web.StreamResponse:
-        """Engines that already chose to stream report errors inside a 200 SSE body."""
+    async def stream_fail(
+        self, message: str, said: dict[str, Any] | None = None
+    ) -> web.StreamResponse:
+        """Engines that already chose to stream report errors inside a 200 SSE body (``said``:
+        the error's fields besides its message, where the engine words it otherwise)."""
         resp = web.StreamResponse(headers={**self.headers, "Content-Type": "text/event-stream"})
         await resp.prepare(self.request)
-        error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+        error = {"message": message, **(said or {"type": "BadRequestError", "param": None})}
+        error.setdefault("code", 400)
         await resp.write(sse({"error": error}) + DONE)
         await resp.write_eof()
         return resp
@@ -92,14 +97,21 @@ class Generation:
             parsed = parse(self.kind, body, self.server.encoder)
         except ValueError as exc:
             return self.fail(400, str(exc))
-        adapters = server.adapters.loaded
-        message = server.persona.model_error(parsed.model, server.config.model, adapters)
+        adapters = server.adapters
+        message = server.persona.model_error(parsed.model, server.config.model, adapters.loaded)
         if message is not None:
+            adapters.missed()
             return self.fail(404, message, "NotFoundError", "model")
+        lora = server.persona.adapter(body, server.config.model, adapters.loaded)
         try:
-            lora = server.persona.adapter(body, server.config.model, adapters)
-        except ValueError as exc:
-            return self.fail(400, str(exc))
+            adapter = None if lora is None else adapters.resolve(lora)
+        except ValueError as exc:  # SGLang: the tokenizer manager's ValueError
+            if parsed.stream and self.kind == "generate":  # /generate had begun its stream
+                said = {"type": "invalid_request_error", "code": 400, "retryable": False}
+                return await self.stream_fail(str(exc), said)
+            # the OpenAI endpoints start a stream only past it; a whole answer's is "BadRequest"
+            return self.fail(400, str(exc), "BadRequestError" if parsed.stream else "BadRequest")
+        self.answered_as = server.persona.answer_model(body, server.config.model, lora)
         try:
             rank = server.persona.pinned_rank(
                 self.request.headers, body, server.config.dp_size, self.kind
@@ -130,7 +142,6 @@ class Generation:
             server.record(self.request, body, None)
             return failed
         await server.weights.admitted()  # a paused engine holds new requests
-        adapter = None if lora is None else adapters[lora]
         max_tokens = 1 if self.prefill_key is not None else parsed.max_tokens  # prefill: one
 
         def sample(own: str, tokens: int = max_tokens) -> SimRequest:
@@ -273,7 +284,7 @@ class Generation:
             body: Any = answers[0] if len(answers) == 1 else answers
         else:
             use = usage(first.prompt_len, _generated(reqs), _cached(reqs))
-            body = Render(self.kind, first.rid, self.server.config.model, False).full(texts, use)
+            body = Render(self.kind, first.rid, self.answered_as, False).full(texts, use)
             if self.server.persona.name == "sglang":  # 0.5.23's whole OpenAI answers say it
                 body["metadata"] = {"weight_version": self.server.weights.version}
         if self.prefill_key is not None:
@@ -296,7 +307,7 @@ class Generation:
             resp = web.StreamResponse(headers=headers)
             await resp.prepare(self.request)
         first, n = reqs[0], len(reqs)
-        render = Render(self.kind, first.rid, self.server.config.model, parsed.include_usage)
+        render = Render(self.kind, first.rid, self.answered_as, parsed.include_usage)
         merged: asyncio.Queue[tuple[int, int, bool]] = asyncio.Queue()
 
         async def follow(k: int, queue: asyncio.Queue[tuple[int, bool]]) -> None:

@@ -3,8 +3,12 @@
 SGLang 0.5.23: ``POST /load_lora_adapter`` and ``/unload_lora_adapter``
 (``sglang/srt/entrypoints/http_server.py``), bodies ``{"lora_name", "lora_path"}`` and
 ``{"lora_name"}``, answered with ``LoRAUpdateOutput`` (``success``, ``error_message``,
-``loaded_adapters``), 200 or 400; a name loaded twice, or unloaded unknown, is refused
-with the registry's words (``lora/lora_registry.py``).
+``loaded_adapters``), 200 or 400; a name loaded twice is refused with the LoRA manager's
+words (``lora/lora_manager.py``), one unloaded unknown with the registry's
+(``lora/lora_registry.py``). A request for an adapter it has never loaded is refused
+(400, ``managers/tokenizer_manager.py`` ``_resolve_lora_path``, naming every adapter it
+ever loaded); one it loaded and then unloaded is loaded again from its path first (its
+``lora_ref_cache``: "Reloading evicted adapter").
 
 vLLM 0.32: ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
 (``vllm/entrypoints/serve/lora/api_router.py``, served with
@@ -12,7 +16,8 @@ vLLM 0.32: ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
 with a text ``Success: ...`` or an OpenAI error: 400 for a missing field, a base model's
 name or a name already loaded (unless ``load_inplace``), 404 for unloading an unknown one
 (``openai/models/serving.py``). vLLM numbers each new adapter 1, 2, ... in load order
-(``lora_id_counter``), which its KV events carry.
+(``lora_id_counter``), which its KV events carry; a request naming a model it does not
+serve takes a number too (``resolve_lora`` counts before it finds no resolver).
 
 Both list what is loaded in ``/v1/models``. A restarted engine serves its start-up
 adapters (``EngineConfig.lora_modules``) again.
@@ -44,6 +49,7 @@ class Adapters:
         self.server = server
         self.loaded: dict[str, Adapter] = dict(server.config.adapters)
         self.roots = {name: lora_root(name) for name in self.loaded}
+        self.ever = dict(self.roots)  # SGLang's lora_ref_cache: every adapter it loaded
         self._next_id = len(self.loaded) + 1
 
     def routes(self) -> list[web.RouteDef]:
@@ -60,7 +66,26 @@ class Adapters:
     def _load(self, name: str, root: str, in_place: bool = False) -> None:
         known = self.loaded.get(name)
         self.loaded[name] = known if known is not None and in_place else self._new(name)
-        self.roots[name] = root
+        self.roots[name] = self.ever[name] = root
+
+    def resolve(self, name: str) -> Adapter:
+        """SGLang: the adapter a request names, loaded again if it was unloaded; ValueError
+        (the engine's 400) for one it never loaded."""
+        found = self.loaded.get(name)
+        if found is not None:
+            return found
+        root = self.ever.get(name)
+        if root is None:
+            raise ValueError(
+                f"Got LoRA adapter that has never been loaded: {name}\n"
+                f"All loaded adapters: dict_keys({list(self.ever)!r})."
+            )
+        self._load(name, root)  # "Reloading evicted adapter"
+        return self.loaded[name]
+
+    def missed(self) -> None:
+        """vLLM: a request named a model it does not serve, which took an adapter number."""
+        self._next_id += 1
 
     def _new(self, name: str) -> Adapter:
         adapter = Adapter(self._next_id, name)
@@ -81,7 +106,7 @@ class Adapters:
             return self._sglang(False, "lora_name and lora_path must be strings")
         if name in self.loaded:
             return self._sglang(
-                False, f"LoRA with name {name} already exists. Loaded LoRAs: {self._names()}"
+                False, f"Failed to load LoRA adapter {name} because it is already loaded"
             )
         self._load(name, root)
         return self._sglang(True)

@@ -30,8 +30,12 @@ class Persona(Protocol):
     def adapter(
         self, body: Mapping[str, Any], served: str, adapters: Collection[str]
     ) -> str | None:
-        """The LoRA adapter the request runs with (None: the base model); ValueError: one
-        the engine has not loaded."""
+        """The LoRA adapter the request asks to run with (None: the base model); whether
+        the engine has it is ``Adapters.resolve``'s to say."""
+        ...
+
+    def answer_model(self, body: Mapping[str, Any], served: str, adapter: str | None) -> str:
+        """The ``model`` an OpenAI answer names."""
         ...
 
 
@@ -64,7 +68,8 @@ class VllmPersona:
     ) -> str | None:
         if model is None or model == served or model in adapters:
             return None
-        return f"The model `{model}` does not exist."
+        # 0.32 ``_check_model``: no LoRA resolver found it, so the served names are listed
+        return f"The model `{model}` does not exist. Valid aliases: {served}."
 
     def adapter(
         self, body: Mapping[str, Any], served: str, adapters: Collection[str]
@@ -72,6 +77,10 @@ class VllmPersona:
         """An adapter is served as a model of its own name (``_maybe_get_adapters``)."""
         model = body.get("model")
         return model if isinstance(model, str) and model in adapters else None
+
+    def answer_model(self, body: Mapping[str, Any], served: str, adapter: str | None) -> str:
+        """The adapter's name, else the served one (``OpenAIServingModels.model_name``)."""
+        return adapter or served
 
 
 class SglangPersona:
@@ -137,10 +146,13 @@ class SglangPersona:
         path = body.get("lora_path")
         if not name and isinstance(path, list):
             path = path[0] if path else None
-        name = name or (path if isinstance(path, str) else None) or None
-        if name is not None and name not in adapters:
-            raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
-        return name
+        return name or (path if isinstance(path, str) else None) or None
+
+    def answer_model(self, body: Mapping[str, Any], served: str, adapter: str | None) -> str:
+        """``model`` as the client wrote it, ``base:adapter`` and all; "default" when it wrote
+        none (``CompletionRequest.model``'s default)."""
+        model = body.get("model")
+        return model if isinstance(model, str) else "default"
 
 
 def persona_for(name: str) -> Persona:

@@ -50,7 +50,7 @@ async def body_of(server: SimServer, request: web.Request) -> dict[str, Any]:
         raise fail(server, 400, "request body must be a JSON object")
     model = body.get("model")
     if isinstance(model, str):
-        message = server.persona.model_error(model, server.config.model)
+        message = server.persona.model_error(model, server.config.model, server.adapters.loaded)
         if message is not None:
             raise fail(server, 404, message, "NotFoundError")
     return body
