@@ -1,4 +1,5 @@
-"""Replicas that take their workers from a real etcd (the server binary, on loopback).
+"""Replicas that take their workers from a real etcd (the server binary, on loopback),
+and share through it the holds and weight versions of the engine commands they relay.
 
 Two routers run in-process as replicas; ``dprouter register`` runs as a real
 process beside a simulated engine. Each test starts its own etcd with a
@@ -14,13 +15,14 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
 from dprouter.bench.harness.etcd_server import EtcdServer
-from dprouter.config import RouterConfig, parse_discovery
+from dprouter.config import RouterConfig, parse_discovery, validate
 from dprouter.core.errors import ConfigError
 from dprouter.fleet.membership.etcd_client import Etcd
 from dprouter.multiproc.supervisor import Supervisor
@@ -112,6 +114,14 @@ def test_a_discovery_url_names_endpoints_and_a_prefix() -> None:
     for bad in ("http://a:2379/p", "etcd://a:2379", "etcd:///p"):
         with pytest.raises(ConfigError):
             parse_discovery(bad)
+
+
+def test_a_hold_lease_is_etcds_and_at_least_its_shortest() -> None:
+    with pytest.raises(ConfigError, match="only with --discovery etcd"):
+        validate(RouterConfig(hold_lease=5))
+    with pytest.raises(ConfigError, match="hold_lease must be >= 2"):
+        validate(RouterConfig(discovery="etcd://a:2379/p", hold_lease=1))
+    assert validate(RouterConfig(discovery="etcd://a:2379/p", hold_lease=3)).hold_lease == 3
 
 
 async def test_register_brings_a_worker_to_both_replicas_and_sigterm_takes_it_away(
@@ -416,3 +426,177 @@ async def test_serve_reads_etcd_before_it_reports_its_targets(
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 10)
+
+
+# -- holds and weight versions across replicas (docs/replicas.md) --
+
+SGLANG = EngineConfig(persona="sglang", dp_size=2, dp_attention=True, time_scale=0.05)
+ADMIN = {"Authorization": "Bearer t"}  # the replicas' --admin-token
+HOLDS = "/dprouter.holds/"
+
+
+def held(router: Router | Supervisor) -> set[str | None]:
+    return {w.held for w in router.registry.workers.values()}
+
+
+def versions(router: Router | Supervisor) -> set[str | None]:
+    return {w.weight_version for w in router.registry.workers.values()}
+
+
+async def ready(routers: list[Router], n: int) -> None:
+    assert await until(lambda: all(len(r.registry.snapshot.workers) == n for r in routers), 10)
+
+
+async def command(
+    http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any] | None = None
+) -> None:
+    async with http.post(url + path, json=body or {}, headers=ADMIN) as r:
+        assert r.status == 200, await r.text()
+
+
+async def polled(
+    http: aiohttp.ClientSession, url: str, check: Callable[[Any], bool], seconds: float = 10
+) -> bool:
+    """Poll ``url``'s ``GET /workers`` until ``check`` holds of it, for at most ``seconds``."""
+    for _ in range(int(seconds / 0.05)):
+        async with http.get(url + "/workers", headers=ADMIN) as r:
+            if check(await r.json()):
+                return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def generate(
+    http: aiohttp.ClientSession, url: str, rid: str, header: bool = False
+) -> tuple[int, str]:
+    """A rollout through ``url``: its status, and the weights' version the engine said
+    answered it (``header``: the one the router said)."""
+    body = {"text": f"rollout {rid}", "rid": rid, "sampling_params": {"max_new_tokens": 4}}
+    async with http.post(url + "/generate", json=body) as r:
+        answer = await r.json(content_type=None)
+        if r.status != 200:
+            return r.status, ""
+        if header:
+            return r.status, r.headers["X-DPRouter-Weight-Version"]
+        return r.status, str(answer["meta_info"]["weight_version"])
+
+
+async def test_a_pause_through_one_replica_holds_every_replica_and_one_that_joins_later(
+    start_cluster: StartCluster, replicas: Replicas, client: Etcd, http: aiohttp.ClientSession
+) -> None:
+    cluster = await start_cluster([SGLANG, SGLANG])
+    a, b = await replicas()
+    await listed(client, cluster.urls)
+    await ready([a, b], 2)
+    await command(http, a.url, "/pause_generation", {"mode": "retract"})
+    assert await until(lambda: held(b) == {"paused"})
+    assert not b.registry.snapshot.workers  # nothing left to route to
+    # B routes nothing to the paused engines: its requests wait in B
+    late = [asyncio.create_task(generate(http, b.url, f"late-{i}")) for i in range(4)]
+    (c,) = await replicas(1)  # joins now: it reads the holds before its workers
+    assert await c.settled(10) and held(c) == {"paused"}
+    await command(
+        http, a.url, "/update_weights_from_disk", {"model_path": "m", "weight_version": "7"}
+    )
+    assert await until(lambda: versions(b) == {"7"} and versions(c) == {"7"})
+    assert held(b) == {"paused"}  # the update's own hold ended; the pause holds on
+    sent = [r.body.get("rid", "") for s in cluster.servers for r in s.received]
+    assert not [rid for rid in sent if rid.startswith("late")]
+    assert not any(t.done() for t in late)
+    await command(http, b.url, "/continue_generation")  # through another replica
+    assert await until(lambda: all(held(r) == {None} for r in (a, b, c)))
+    done = await asyncio.wait_for(asyncio.gather(*late), 20)
+    assert done == [(200, "7")] * 4  # none lost, each on the new weights
+    entries, _ = await client.read(HOLDS)
+    assert sorted(e.key.removeprefix(HOLDS) for e in entries) == sorted(cluster.urls)
+    assert {orjson.loads(e.value)["weight_version"] for e in entries} == {"7"}
+
+
+async def test_a_hold_ends_within_its_lease_once_the_replica_that_relayed_it_is_killed(
+    start_cluster: StartCluster,
+    etcd: EtcdServer,
+    replicas: Replicas,
+    client: Etcd,
+    http: aiohttp.ClientSession,
+) -> None:
+    cluster = await start_cluster([SGLANG])
+    (engine,) = cluster.servers
+    engine.weights.update_time = 60.0  # killed mid-update: the update never ends
+    discovery = f"etcd://{etcd.url.removeprefix('http://')}/dprouter"
+    proc = await _serve("--discovery", discovery, "--admin-token", "t", "--hold-lease", "2")
+    try:
+        url, _ = await listening(proc)
+        (b,) = await replicas(1)
+        await listed(client, cluster.urls)
+        await ready([b], 1)
+        assert await polled(http, url, lambda found: found["stats"]["healthy_workers"] == 1)
+        update = asyncio.create_task(
+            command(http, url, "/update_weights_from_disk", {"model_path": "m"})
+        )
+        assert await until(lambda: held(b) == {"updating its weights"})
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        t0 = time.monotonic()
+        assert await until(lambda: held(b) == {None}, 5.0)
+        assert time.monotonic() - t0 <= 2.0 + 1.0  # the lease, and etcd's expiry tick
+        assert (await generate(http, b.url, "after"))[0] == 200
+        assert (await client.read(HOLDS))[0] == []  # its key went with its lease
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    update.cancel()
+    await asyncio.gather(update, return_exceptions=True)
+
+
+async def test_a_replica_of_two_processes_shares_its_holds_both_ways(
+    start_cluster: StartCluster,
+    etcd: EtcdServer,
+    replicas: Replicas,
+    client: Etcd,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Under ``--processes 2`` the parent relays the commands and follows the holds."""
+    cluster = await start_cluster([SGLANG, SGLANG])
+    await listed(client, cluster.urls)
+    discovery = f"etcd://{etcd.url.removeprefix('http://')}/dprouter"
+    config = RouterConfig(discovery=discovery, admin_token="t", port=0, processes=2, grace=2.0)
+    sup = Supervisor(config)
+    await sup.start()
+    try:
+        (b,) = await replicas(1)
+        assert await sup.settled(10)
+        await ready([b], 2)
+        await command(http, sup.url, "/pause_generation", {"mode": "in_place"})
+        assert await until(lambda: held(b) == {"paused"})
+        await command(http, b.url, "/continue_generation")
+        assert await until(lambda: held(sup) == {None})
+        await command(http, b.url, "/update_weight_version", {"new_version": "9"})
+        assert await until(lambda: versions(sup) == {"9"})
+        connector = aiohttp.TCPConnector(force_close=True)  # either process may take each
+        async with aiohttp.ClientSession(connector=connector) as fresh:
+            rollouts = (generate(fresh, sup.url, f"r{i}", header=True) for i in range(8))
+            said = await asyncio.wait_for(asyncio.gather(*rollouts), 20)
+        assert said == [(200, "9")] * 8  # released, and on the version B set, in both
+    finally:
+        await sup.stop()
+
+
+async def test_a_pause_made_while_etcd_is_away_reaches_the_others_once_it_is_back(
+    start_cluster: StartCluster,
+    etcd: EtcdServer,
+    replicas: Replicas,
+    client: Etcd,
+    http: aiohttp.ClientSession,
+) -> None:
+    cluster = await start_cluster([SGLANG])
+    a, b = await replicas()
+    await listed(client, cluster.urls)
+    await ready([a, b], 1)
+    await etcd.stop()
+    await command(http, a.url, "/pause_generation", {"mode": "retract"})  # held here at once
+    assert held(a) == {"paused"} and held(b) == {None}
+    await etcd.start()  # the same data and ports
+    assert await until(lambda: held(b) == {"paused"}, 8.0)  # backoff is at most 5 s
+    await command(http, b.url, "/continue_generation")
+    assert await until(lambda: held(a) == {None})

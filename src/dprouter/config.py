@@ -134,6 +134,9 @@ class RouterConfig:
     # seconds a request waits while every worker that could serve it is paused or updating
     # its weights (or has not reached the version it asks for) before a 503
     hold_wait: float = 60.0
+    # etcd: seconds a hold relayed by this replica outlives it (killed, stopped, cut off
+    # from etcd) in the others; the lease its holds are written on
+    hold_lease: int = 10
     # hold requests in the router while every rank's running slots are taken, longest
     # predicted first (proxy/dispatch.py); auto: where the engines report their caps
     dispatch: DispatchMode = "auto"
@@ -378,6 +381,10 @@ def validate(config: RouterConfig) -> RouterConfig:
         given = [f"--{n.replace('_', '-')}" for n in KUBERNETES_OPTIONS if _changed(config, n)]
         if given:
             raise ConfigError(f"{', '.join(given)} only with --discovery k8s")
+    if _changed(config, "hold_lease") and not (config.discovery or "").startswith("etcd://"):
+        raise ConfigError("--hold-lease only with --discovery etcd://...: holds shared there")
+    if config.hold_lease < 2:
+        raise ConfigError(f"hold_lease must be >= 2 (etcd's least), got {config.hold_lease}")
     urls = [w.url for w in workers]
     for url in urls:
         if urls.count(url) > 1:
@@ -564,6 +571,9 @@ def sources(config: RouterConfig, registry: Registry, monitor: Monitor) -> list[
             )
         ]
     from dprouter.fleet.membership.etcd import EtcdMembership
+    from dprouter.fleet.membership.etcd_holds import EtcdHolds
 
     endpoints, prefix = parse_discovery(config.discovery)
-    return [EtcdMembership(endpoints, prefix, registry, monitor, config.check_new_worker)]
+    workers = EtcdMembership(endpoints, prefix, registry, monitor, config.check_new_worker)
+    # the holds first: read before any worker joins (started in this order)
+    return [EtcdHolds(workers, registry, config.hold_lease), workers]

@@ -544,6 +544,14 @@ def make_config(
     ),
 )
 @option(
+    "--hold-lease",
+    type=click.IntRange(min=2),
+    help=(
+        "etcd: seconds a hold (a pause, an update) relayed by this replica outlives it, killed "
+        "or cut off from etcd, in the other replicas (docs/replicas.md)."
+    ),
+)
+@option(
     "--dashboard",
     is_flag=True,
     help=(

@@ -24,6 +24,7 @@ from dprouter.core.errors import ConfigError, Duplicate, EtcdError, error
 from dprouter.core.types import ROLES
 from dprouter.fleet.membership import Source, worker_name
 from dprouter.fleet.membership.etcd import EtcdMembership
+from dprouter.fleet.membership.etcd_holds import EtcdHolds
 from dprouter.fleet.membership.kubernetes import KubernetesMembership
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry, worker_from_spec
@@ -117,7 +118,9 @@ class Admin:
         self.registry = registry
         self.monitor = monitor
         self.relayed = relayed
-        self.commands = Commands(registry, monitor.access)
+        # under etcd discovery, holds and versions are every replica's
+        holds = next((s for s in sources if isinstance(s, EtcdHolds)), None)
+        self.commands = Commands(registry, monitor.access, holds)
         self.shared = next((s for s in sources if isinstance(s, EtcdMembership)), None)
         self.kubernetes = next((s for s in sources if isinstance(s, KubernetesMembership)), None)
 

@@ -6,8 +6,10 @@ once, each call bounded by a timeout. The answer lists every worker's status and
 
 The router keeps what the commands say: a paused, updating or sleeping worker is held
 (``Registry.hold``: no new request while another can serve it, ``proxy/pools``), and a
-worker's weights' version is what the last update said. One weight update at a time:
-a second, while the first is in flight, is refused with 409.
+worker's weights' version is what the last update said. Both go through ``Standings``
+(``fleet/standing.py``): this router's, or, under etcd discovery, every replica's
+(``membership/etcd_holds.py``). One weight update at a time: a second, while the first
+is in flight, is refused with 409.
 
 The table names each command by its SGLang path where SGLang has one (the RL frameworks
 speak SGLang) and says what each engine kind calls it; vLLM's own paths are commands
@@ -35,7 +37,8 @@ from dprouter.fleet import probe
 from dprouter.fleet.membership.labels import matches, parse_selector
 from dprouter.fleet.model_lists import served
 from dprouter.fleet.registry import Registry
-from dprouter.fleet.targets import ASLEEP, PAUSED, UPDATING, Worker
+from dprouter.fleet.standing import Standings
+from dprouter.fleet.targets import Worker
 from dprouter.fleet.worker_spec import keys, own_key
 from dprouter.proxy.rankless import ask
 from dprouter.server import adapter_answers
@@ -48,6 +51,9 @@ Effect = Literal[
 Translate = Callable[[dict[str, Any]], tuple[dict[str, str], dict[str, Any] | None]]
 UPDATE_TIMEOUT = 600.0  # weights from disk, or over NCCL: minutes at most
 CALL_TIMEOUT = 60.0  # anything else
+# seconds a pause or an update waits for the other replicas to be told of its hold before
+# the engines are asked (etcd away: it goes ahead, held here)
+TELL_REPLICAS = 1.0
 
 
 @dataclass(frozen=True)
@@ -348,23 +354,6 @@ CAPABILITIES: dict[DialectName, dict[str, Any]] = {
 
 
 @dataclass
-class Standing:
-    """What the commands left a worker in: the router holds it while any is true."""
-
-    paused: bool = False
-    updating: bool = False  # during an update call, and between begin and finish
-    session: bool = False  # begun, not finished
-    asleep: bool = False
-
-    def why(self) -> str | None:
-        if self.updating:
-            return UPDATING
-        if self.paused:
-            return PAUSED
-        return ASLEEP if self.asleep else None
-
-
-@dataclass
 class Update:
     """A weight update in flight: one at a time on each worker."""
 
@@ -376,20 +365,18 @@ class Commands:
     """The commands' handlers. Each call goes to the engine with its own session, so a
     weight update is never queued behind generation's connections."""
 
-    def __init__(self, registry: Registry, access: EngineAccess | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        access: EngineAccess | None = None,
+        standings: Standings | None = None,
+    ) -> None:
         self.registry = registry
         self.access = access or EngineAccess()  # the engines' TLS context and keys
-        self.standing: dict[str, Standing] = {}  # by worker id
+        # holds and versions: this router's own, or (etcd) shared with every replica
+        self.standings = standings or Standings(registry)
         self.updates: dict[str, Update] = {}  # in flight, by worker id
         self._session: aiohttp.ClientSession | None = None
-        registry.listeners.append(self._forget)
-
-    def _forget(self) -> None:
-        """A worker that left leaves its standing behind: one added again under its id
-        starts afresh."""
-        gone = [k for k in self.standing if k not in self.registry.workers]
-        for k in gone:
-            del self.standing[k]
 
     def handler(self, command: Command) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(request: web.Request) -> web.Response:
@@ -484,9 +471,10 @@ class Commands:
         body: dict[str, Any],
     ) -> list[dict[str, Any]]:
         try:
-            for w in workers:  # held from now: no new request while the engine pauses
-                if command.effect in ("pause", "begin", "update"):
+            if command.effect in ("pause", "begin", "update"):
+                for w in workers:  # held from now: no new request while the engine pauses
                     self._set(w, command.effect, True)
+                await self.standings.published(TELL_REPLICAS)
             calls = (self._call(command, request, w, raw, body) for w in workers)
             rows = await asyncio.gather(*calls)
             for w, row in zip(workers, rows, strict=True):
@@ -544,7 +532,7 @@ class Commands:
         if command.reads_version and ok and isinstance(answer, dict):
             version = answer.get("weight_version")
             if version is not None:
-                self.registry.set_weight_version(worker, str(version))
+                self.registry.set_weight_version(worker, str(version))  # read: this router's
         if effect is None:
             return
         if effect == "pause":
@@ -557,14 +545,14 @@ class Commands:
             self._set(worker, "update", False)
             version = body.get("weight_version")
             if ok and version is not None:
-                self.registry.set_weight_version(worker, str(version))
+                self.standings.version(worker, str(version))
         elif effect == "finish":
             self._set(worker, "begin", False)
             version = body.get("weight_version")
             if ok and version is not None:
-                self.registry.set_weight_version(worker, str(version))
+                self.standings.version(worker, str(version))
         elif effect == "version" and ok and body.get("new_version") is not None:
-            self.registry.set_weight_version(worker, str(body["new_version"]))
+            self.standings.version(worker, str(body["new_version"]))
         elif effect in ("sleep", "wake") and ok:
             self._set(worker, "sleep", effect == "sleep")
 
@@ -583,17 +571,17 @@ class Commands:
         row["models"] = list(worker.models)
 
     def _set(self, worker: Worker, what: str, on: bool) -> None:
-        standing = self.standing.setdefault(worker.id, Standing())
+        standing = self.standings.of(worker)
         if what == "pause":
-            standing.paused = on
+            standing = standing.but(paused=on)
         elif what == "begin":
-            standing.updating = standing.session = on
+            standing = standing.but(updating=on, session=on)
         elif what == "update":
             # a single call holds the worker only while it runs, unless a session is open
-            standing.updating = on or standing.session
+            standing = standing.but(updating=on or standing.session)
         elif what == "sleep":
-            standing.asleep = on
-        self.registry.hold(worker, standing.why())
+            standing = standing.but(asleep=on)
+        self.standings.set(worker, standing)
 
     async def listing(self, request: web.Request) -> web.Response:
         """``GET /v1/rl/workers``: each worker as an RL framework sees it."""

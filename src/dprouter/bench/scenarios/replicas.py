@@ -17,19 +17,16 @@ import os
 import random
 import signal
 import statistics
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
-from dprouter.bench.harness.etcd_server import EtcdServer
-from dprouter.bench.harness.procs import DPROUTER, Proc, url_in
+from dprouter.bench.harness.procs import Proc
+from dprouter.bench.harness.replicas import etcd_replicas
 from dprouter.bench.report.results import Cell, Result, Table
 from dprouter.bench.scenarios.peers import ROLLOUT_ENGINE, SCALE
-from dprouter.fleet.membership.etcd_client import Etcd
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.model.config import EngineConfig, RankLimits
 
@@ -97,49 +94,17 @@ async def sessions(
     return found
 
 
-async def ready(http: aiohttp.ClientSession, url: str, workers: int) -> None:
-    async with asyncio.timeout(30):
-        while True:
-            async with http.get(url + "/metrics") as r:
-                text = await r.text()
-            up = [ln for ln in text.splitlines() if ln.startswith("dprouter_worker_ready{")]
-            if sum(ln.endswith(" 1.0") for ln in up) == workers:
-                return
-            await asyncio.sleep(0.1)
-
-
 async def once(
     engine: EngineConfig, engines: int, replicas: int, kill: bool, workload: dict[str, Any]
 ) -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="dprouter-etcd-") as data:
-        etcd = EtcdServer(Path(data))
-        await etcd.start()
-        procs: list[Proc] = []
-        try:
-            async with (
-                SimCluster([replace(engine, time_scale=SCALE)] * engines) as cluster,
-                aiohttp.ClientSession() as http,
-            ):
-                client = Etcd([etcd.url], http)
-                for i, url in enumerate(cluster.urls):
-                    await client.put(f"/dprouter/e{i}", orjson.dumps({"url": url}))
-                discovery = f"etcd://{etcd.url.removeprefix('http://')}/dprouter"
-                urls = []
-                for _ in range(replicas):
-                    argv = ["serve", "--discovery", discovery, "--sessions", "--port", "0"]
-                    proc = Proc([*DPROUTER, *argv])
-                    procs.append(proc)
-                    urls.append(url_in(await proc.start(r"dprouter on http://")))
-                for url in urls:  # every replica has read and discovered every worker
-                    await ready(http, url, engines)
-                turns = await sessions(urls, procs[0] if kill else None, workload, seed=1)
-                ranks = [r for s in cluster.servers for r in s.engine.ranks]
-                steppers = [st for s in cluster.servers for st in s.engine.steppers]
-        finally:
-            for proc in procs:
-                await proc.stop()
-            await etcd.stop()
-            etcd.release()
+    procs: list[Proc] = []
+    async with (
+        SimCluster([replace(engine, time_scale=SCALE)] * engines) as cluster,
+        etcd_replicas(cluster.urls, replicas, "--sessions", procs=procs) as urls,
+    ):
+        turns = await sessions(urls, procs[0] if kill else None, workload, seed=1)
+        ranks = [r for s in cluster.servers for r in s.engine.ranks]
+        steppers = [st for s in cluster.servers for st in s.engine.steppers]
     busy = [r.stats.busy_time for r in ranks]
     lat = sorted(turns.latencies)
     return {

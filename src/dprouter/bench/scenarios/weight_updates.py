@@ -8,12 +8,15 @@ engine serves the new version (and is running again), requests lost (an answer o
 than 200, or none: must be 0), answers to requests sent after the cycle that carry an
 older version (must be 0), and the step time against the same router with no updates.
 The cycle goes through the router (dprouter; smg 1.13 with ``--enable-rl``, which fans
-the same calls out), or engine by engine, as miles sends it today.
+the same calls out), or engine by engine, as miles sends it today. Two dprouter replicas
+over etcd take the cycle through replica A while the rollouts go through both; replica
+B's RL listing is polled meanwhile for when it holds every engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import statistics
 import time
@@ -25,6 +28,7 @@ import aiohttp
 
 from dprouter.bench.harness import peer_routers
 from dprouter.bench.harness.procs import DPROUTER, Proc, url_in
+from dprouter.bench.harness.replicas import etcd_replicas
 from dprouter.bench.report.results import Cell, Result, Table
 from dprouter.sim.http.cluster import SimCluster
 from dprouter.sim.model.config import EngineConfig, RankLimits
@@ -38,6 +42,7 @@ ENGINE = EngineConfig(
     limits=RankLimits(max_running=32),
     time_scale=SCALE,
 )
+REPLICAS = "dprouter, 2 replicas over etcd"
 CYCLE: tuple[tuple[str, str, dict[str, Any] | None], ...] = (
     ("POST", "/pause_generation", {"mode": "retract"}),
     ("GET", "/flush_cache", None),
@@ -54,6 +59,9 @@ class Tally:
     stale: int = 0  # sent after a cycle ended, answered on older weights
     answered: int = 0
     refused: list[str] = field(default_factory=list)  # cycle calls the router did not serve
+    # two replicas: when replica B held every engine, from the pause sent / from A's answer
+    held_after_pause: list[float] = field(default_factory=list)
+    held_after_answer: list[float] = field(default_factory=list)
 
 
 async def rollout(
@@ -76,9 +84,11 @@ async def rollout(
 
 async def cycle(
     http: aiohttp.ClientSession, targets: list[str], version: str, tally: Tally, query: str = ""
-) -> None:
+) -> float:
     """miles' cycle, sent to each of ``targets`` (the router, or every engine); smg takes
-    it under ``/v1/rl/engine`` with a worker selector (``query``)."""
+    it under ``/v1/rl/engine`` with a worker selector (``query``). When the pause was
+    answered."""
+    answered = math.nan
     for method, path, body in CYCLE:
         sent = {**body, "weight_version": version} if body and path.endswith("_disk") else body
         for _ in range(120):
@@ -94,6 +104,22 @@ async def cycle(
         said = f"{path} {statuses[0]}"
         if any(s != 200 for s in statuses) and said not in tally.refused:
             tally.refused.append(said)
+        if math.isnan(answered):
+            answered = time.monotonic()
+    return answered
+
+
+async def held_at(http: aiohttp.ClientSession, url: str) -> float:
+    """When the router at ``url`` holds every worker (its RL listing, polled every 2 ms;
+    NaN: not within 30 s)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        async with http.get(url + "/v1/rl/workers") as r:
+            listing = await r.json()
+        if listing["workers"] and all(w["held"] for w in listing["workers"]):
+            return time.monotonic()
+        await asyncio.sleep(0.002)
+    return math.nan
 
 
 async def served(cluster: SimCluster, version: str) -> bool:
@@ -107,7 +133,7 @@ async def served(cluster: SimCluster, version: str) -> bool:
 
 async def once(
     cluster: SimCluster,
-    url: str,
+    urls: list[str],
     steps: int,
     batch: int,
     direct: bool,
@@ -115,7 +141,9 @@ async def once(
     control: tuple[str, str] = ("", ""),
     tokens: tuple[int, int] = (40, 400),
 ) -> Tally:
-    """``control``: where the router takes the cycle's calls, a path prefix and a query."""
+    """Rollouts through each of ``urls`` in turn, the cycle through the first (``control``:
+    where the router takes its calls, a path prefix and a query); a second is watched for
+    when it holds the engines."""
     tally = Tally()
     rng = random.Random(7)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
@@ -123,18 +151,24 @@ async def once(
             started = time.monotonic()
             version = f"{step}-{direct}-{updates}"
             tasks = [
-                asyncio.create_task(rollout(http, url, f"s{step}r{i}", rng.randint(*tokens), tally))
+                asyncio.create_task(
+                    rollout(http, urls[i % len(urls)], f"s{step}r{i}", rng.randint(*tokens), tally)
+                )
                 for i in range(batch)
             ]
             if updates and step % 2 == 1:
-                for answered, next_one in enumerate(asyncio.as_completed(tasks), 1):
+                for done, next_one in enumerate(asyncio.as_completed(tasks), 1):
                     await next_one
-                    if answered >= batch // 2:
+                    if done >= batch // 2:
                         break
                 paused = time.monotonic()
                 prefix, query = control
-                targets = cluster.urls if direct else [url + prefix]
-                await cycle(http, targets, version, tally, "" if direct else query)
+                targets = cluster.urls if direct else [urls[0] + prefix]
+                watch = [asyncio.create_task(held_at(http, u)) for u in urls[1:2]]
+                answered = await cycle(http, targets, version, tally, "" if direct else query)
+                for held in await asyncio.gather(*watch):
+                    tally.held_after_pause.append(held - paused)
+                    tally.held_after_answer.append(held - answered)
                 if not await served(cluster, version):
                     tally.refused.append("engines never on the new version")
                     for s in cluster.servers:  # left paused: let the batch finish
@@ -144,7 +178,9 @@ async def once(
                     continue
                 tally.updates.append(time.monotonic() - paused)
                 after = [
-                    asyncio.create_task(rollout(http, url, f"s{step}a{i}", 4, tally))
+                    asyncio.create_task(
+                        rollout(http, urls[i % len(urls)], f"s{step}a{i}", 4, tally)
+                    )
                     for i in range(4)
                 ]
                 said = await asyncio.gather(*after)
@@ -184,11 +220,18 @@ async def measure(quick: bool) -> dict[str, dict[str, Any]]:
                 if name == "dprouter":
                     modes.append(("engine by engine", True, True))
                 for mode, direct, updates in modes:
-                    tally = await once(cluster, url, steps, batch, direct, updates, control, tokens)
+                    tally = await once(
+                        cluster, [url], steps, batch, direct, updates, control, tokens
+                    )
                     found[f"{name} | {mode}"] = tally.__dict__
         finally:
             for _, p, _, _ in runs:
                 await p.stop()
+        # A takes the cycle; the rollouts go through A and B in turn
+        async with etcd_replicas(cluster.urls, 2, "--policy", "round_robin") as replicas:
+            for mode, updates in (("none", False), ("through replica A", True)):
+                tally = await once(cluster, replicas, steps, batch, False, updates, tokens=tokens)
+                found[f"{REPLICAS} | {mode}"] = tally.__dict__
     return found
 
 
@@ -213,9 +256,24 @@ def run(quick: bool, out: Path) -> Result:
                 ", ".join(t["refused"]) or "-",
             ]
         )
-        if name == "dprouter":
-            checks[f"dprouter, updates {mode}: no request lost"] = t["lost"] == 0
-            checks[f"dprouter, updates {mode}: no stale answer after a cycle"] = t["stale"] == 0
+        if name.startswith("dprouter"):
+            checks[f"{name}, updates {mode}: no request lost"] = t["lost"] == 0
+            checks[f"{name}, updates {mode}: no stale answer after a cycle"] = t["stale"] == 0
+    two = found[f"{REPLICAS} | through replica A"]
+    sent, answered = two["held_after_pause"], two["held_after_answer"]
+    checks[f"{REPLICAS}: replica B held every engine after each pause"] = bool(sent) and not any(
+        math.isnan(x) for x in sent
+    )
+    held = [
+        [
+            "replica B holds every engine",
+            len(sent),
+            statistics.median(sent) * 1e3,
+            max(sent) * 1e3,
+            statistics.median(answered) * 1e3,
+            max(answered) * 1e3,
+        ]
+    ]
     return Result(
         scenario="weight-updates",
         title="Weight updates during rollouts: time to the new version, requests lost",
@@ -238,7 +296,20 @@ def run(quick: bool, out: Path) -> Result:
                     "calls not served",
                 ],
                 rows,
-            )
+            ),
+            Table(
+                [
+                    "two replicas",
+                    "pauses",
+                    "after the pause sent, median ms",
+                    "max ms",
+                    "after A's answer, median ms",
+                    "max ms",
+                ],
+                held,
+                "The pause through replica A reaching replica B (its RL listing polled "
+                "every 2 ms; negative: before A answered)",
+            ),
         ],
         verdict="Same engines, same seeded batches; an update every other step, mid-step.",
         checks=checks,

@@ -2,9 +2,9 @@
 
 Read the whole prefix, then watch it from the revision read. After any gap --
 the watch broke, etcd compacted the revision, or ``resync`` seconds passed --
-read the whole prefix again and reconcile: a worker whose key is gone is
-removed, whatever events were missed (the stale-membership bug class of the
-peers' watchers). While etcd cannot be read, the last membership read stays
+read the whole prefix again and reconcile (``etcd_follow``): a worker whose key
+is gone is removed, whatever events were missed (the stale-membership bug class
+of the peers' watchers). While etcd cannot be read, the last membership read stays
 and keeps routing; the registry is marked stale until a read succeeds.
 """
 
@@ -19,14 +19,14 @@ from typing import Any
 import aiohttp
 import orjson
 
-from dprouter.core.errors import Compacted, ConfigError, Duplicate, EtcdError
-from dprouter.fleet.membership.etcd_client import Etcd
+from dprouter.core.errors import ConfigError, Duplicate, EtcdError
+from dprouter.fleet.membership.etcd_client import Change, Entry, Etcd
+from dprouter.fleet.membership.etcd_follow import follow
 from dprouter.fleet.monitor import Monitor
 from dprouter.fleet.registry import Registry, worker_from_spec
 from dprouter.fleet.worker_spec import WorkerSpec, worker_from_mapping
 
 log = logging.getLogger("dprouter")
-BACKOFF = (0.2, 5.0)  # seconds between attempts to reach etcd: first, most
 
 
 def worker_key(prefix: str, name: str) -> str:
@@ -90,25 +90,14 @@ class EtcdMembership:
         return key
 
     async def _run(self, etcd: Etcd) -> None:
-        delay = BACKOFF[0]
-        while True:
-            try:
-                entries, revision = await etcd.read(self.prefix)
-                self.reconcile({e.key: e.value for e in entries})
-                self._reachable()
-                delay = BACKOFF[0]
-                async with asyncio.timeout(self.resync):  # then read whole again
-                    async for changes in etcd.watch(self.prefix, revision + 1):
-                        for change in changes:
-                            self.apply(change.key, change.value)
-            except TimeoutError:
-                continue
-            except Compacted:
-                log.info("etcd compacted past the watch: reading %s whole again", self.prefix)
-            except EtcdError as exc:
-                self._unreachable(exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, BACKOFF[1])
+        await follow(etcd, self.prefix, self, self.resync)
+
+    def whole(self, entries: list[Entry], revision: int) -> None:
+        self.reconcile({e.key: e.value for e in entries})
+
+    def changed(self, changes: list[Change]) -> None:
+        for change in changes:
+            self.apply(change.key, change.value)
 
     def reconcile(self, wanted: dict[str, bytes]) -> None:
         """Make the members exactly the keys read (level-triggered)."""
@@ -149,12 +138,12 @@ class EtcdMembership:
         self.monitor.watch(worker)
         log.info("etcd: worker %s joined: %s (%s)", worker.id, worker.url, key)
 
-    def _reachable(self) -> None:
+    def reachable(self) -> None:
         if self.registry.mark_stale(False):
             log.warning("etcd reachable again: membership is current")
         self.synced.set()
 
-    def _unreachable(self, exc: EtcdError) -> None:
+    def unreachable(self, exc: EtcdError) -> None:
         if self.registry.mark_stale(True):
             log.error(
                 "etcd unreachable (%s): keeping the last membership read (%d workers) and retrying",
