@@ -12,12 +12,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 from aiohttp import web
 
 from dprouter.bench.harness.rollout_burst import rollout
 from dprouter.config import RouterConfig
 from dprouter.core.types import Incoming
+from dprouter.fleet.board import Board, size_of
+from dprouter.proxy.heads import STALE, Heads, key, stamp
 from dprouter.proxy.output_budget import OutputEstimate
 from dprouter.proxy.parse import parse
 from dprouter.proxy.plain import Proxy
@@ -277,3 +280,35 @@ def test_predictions_exact_then_group_then_typical() -> None:
     named = _incoming(other.body, {"x-dprouter-group": "g1"})
     twin = _incoming(capped.body, {"x-dprouter-group": "g1"})
     assert named.group == twin.group != capped.group  # the client's group wins over the prompt
+
+
+def test_a_slot_is_left_to_the_process_that_shows_the_better_first_in_line() -> None:
+    """Two serving processes' views of one board (``proxy/heads.py``): each shows, per
+    target, the key of its first in line; a request takes a slot only where no other
+    process shows a better one (the class first, then the longer predicted; a tie: the
+    lower row). A process that stopped looking is passed over once ``STALE``; one that
+    died has its keys cleared."""
+    buffer = bytearray(size_of(2, 4, 4))
+    zero, one = (Board(rows=2, row=r, slots=4, buffer=buffer, tenants=4) for r in (0, 1))
+    ranks = np.array([1, 2], dtype=np.intp)
+    every = np.arange(4, dtype=np.intp)
+    long, short, high = key(1, -500.0), key(1, -20.0), key(0, -20.0)
+    assert high > long > short > 0  # the class first, then the longer
+    assert key(1, 5e20) > 0 and key(9999, 0.0) > 0  # clamped: never "nothing"
+    mine, theirs = Heads(), Heads()
+    assert mine.others(zero) is None  # nothing held anywhere: nothing to compare
+    theirs.show([(one, ranks, long)])  # process 1 holds a long request for ranks 1 and 2
+    rows = mine.others(zero)
+    assert rows == [1]
+    assert mine.clear(zero, rows, every, short).tolist() == [True, False, False, True]
+    assert mine.clear(zero, rows, ranks, high).tolist() == [True, True]  # a higher class
+    assert mine.clear(zero, rows, ranks, long).tolist() == [True, True]  # a tie: row 0 first
+    mine.show([(zero, ranks, long)])
+    back = theirs.others(one)
+    assert back == [0] and theirs.clear(one, back, ranks, long).tolist() == [False, False]
+    one.looked[1] = stamp() - STALE - 1  # process 1 stopped looking (its loop is stuck)
+    assert mine.others(zero) is None  # passed over: it holds nobody back
+    theirs.show([(one, ranks, long)])  # unchanged, but a look: stamped again
+    assert mine.others(zero) is not None
+    zero.release(1)  # process 1 died: the parent clears its rows
+    assert mine.others(zero) is None and not zero.own_heads[1].any()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import random
 import signal
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from dprouter.multiproc.supervisor import Supervisor
 from dprouter.proxy.output_budget import OutputEstimate
 from dprouter.sim.model.config import EngineConfig, Faults, PdConfig, RankLimits
 from tests.conftest import StartCluster, StartProcesses, metric_sum, until, workers
+from tests.test_door import held_everywhere
 
 LONG: dict[str, Any] = {"prompt": "a long answer", "max_tokens": 3000, "stream": True}
 SHORT: dict[str, Any] = {"prompt": "route me", "max_tokens": 2}
@@ -388,6 +390,78 @@ async def test_the_dispatcher_keeps_every_ranks_running_cap_across_both_processe
     assert most == slots
     assert len(server.received) == 24  # none lost, none twice
     assert await until(lambda: in_flight(sup) == 0, seconds=10)
+
+
+async def test_held_requests_go_out_longest_first_across_both_processes(
+    start_cluster: StartCluster, start_processes: StartProcesses, http: aiohttp.ClientSession
+) -> None:
+    """One running slot. A long request runs in it while a burst of 16, of lengths that
+    differ and in a shuffled order, each on a connection of its own, is held in both
+    serving processes. The engine then receives them one at a time, longest first over
+    the whole burst, whichever process holds each and whichever the slot frees in. (By
+    each process's own order alone, the process a request ended in would hand the slot
+    to its own first in line: its whole queue would go before the other's.)"""
+    engine = EngineConfig(persona="sglang", limits=RankLimits(max_running=1), time_scale=0.5)
+    (server,) = (await start_cluster([engine])).servers
+    # aging at 1 token a second: the burst arrives within a second, its lengths 3 apart
+    sup = await start_processes(RouterConfig(workers=workers(server.url), dispatch_aging=1.0))
+    slots = [t.slot for t in sup.registry.targets()]
+    assert await until(lambda: all(sup.board.cap[slots]))  # the engine's cap is read
+    lengths = random.Random(48).sample(range(4, 52, 3), 16)
+
+    def body(text: str, tokens: int) -> dict[str, Any]:
+        return {"prompt": text, "max_tokens": tokens, "ignore_eos": True}
+
+    runner = asyncio.create_task(post(sup.url, body("runner", 400)))
+    assert await until(lambda: len(server.received) == 1)
+    burst = [asyncio.create_task(post(sup.url, body(f"b{n}", n))) for n in lengths]
+    assert await held_everywhere(http, sup.url, 16)
+    assert all(sup.board.looked), "the burst is not held in both processes"
+    assert len(server.received) == 1, "the runner ended before the burst was held"
+    await asyncio.gather(runner, *burst)
+    sent = [r.body["max_tokens"] for r in list(server.received)[1:]]
+    assert sent == sorted(lengths, reverse=True), sent
+
+
+async def test_a_process_that_stops_looking_holds_the_others_back_only_so_long(
+    start_cluster: StartCluster, start_processes: StartProcesses, http: aiohttp.ClientSession
+) -> None:
+    """One running slot, requests held in both processes. The process whose first in line
+    is the longest is stopped (SIGSTOP: alive, its first in line on the board, never
+    looking again). When the slot frees, the other process takes it once the stopped one's
+    look is stale (half a second) and sends what it holds; the stopped one's requests go
+    once it runs again. None is lost."""
+    engine = EngineConfig(persona="sglang", limits=RankLimits(max_running=1), time_scale=0.5)
+    (server,) = (await start_cluster([engine])).servers
+    sup = await start_processes(RouterConfig(workers=workers(server.url), dispatch_aging=1.0))
+    (slot,) = [t.slot for t in sup.registry.targets()]
+    assert await until(lambda: bool(sup.board.cap[slot]))
+
+    def body(text: str, tokens: int) -> dict[str, Any]:
+        return {"prompt": text, "max_tokens": tokens, "ignore_eos": True}
+
+    runner = asyncio.create_task(post(sup.url, body("runner", 300)))
+    assert await until(lambda: bool(sup.board.own_inflight[:, slot].any()))
+    sends = int(sup.board.own_inflight[:, slot].argmax())  # the runner's process
+    held: list[asyncio.Task[Any]] = []
+    for n in range(30):  # longer each time, until the longest is held by the other process
+        held.append(asyncio.create_task(post(sup.url, body(f"h{n}", 10 + 5 * n))))
+        assert await held_everywhere(http, sup.url, len(held))
+        best = int(sup.board.own_heads[:, slot].argmax())
+        if best != sends and sup.board.own_heads[sends, slot]:  # and the runner's holds one
+            break
+    assert best != sends, "every request went to the runner's process"
+    stopped = sup.children[best].pid
+    assert stopped is not None
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        await runner
+        # the stopped process's first in line is the best on the board, yet the slot goes
+        assert await until(lambda: len(server.received) > 1, seconds=10)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    await asyncio.gather(*held)
+    assert len(server.received) == 1 + len(held)
 
 
 @pytest.mark.parametrize("mode", ["vllm-nixl", "vllm-mooncake", "sglang"])

@@ -40,9 +40,11 @@ then the tenants' limits (``proxy/limiter.py``): ``buckets[TENANTS][BUCKETS]`` (
 tenant name's hash, 0: free; two token buckets, each a level and when it was last
 filled) and ``own_flights[rows][TENANTS]``, each process's requests in flight per
 tenant (a killed process's are released with its other rows); last, for the
-dispatcher under ``--processes``, ``own_wanted[rows][slots]``: per process and slot, the
-highest class it holds a request for there (``WANTED`` - the class's number; 0: none),
-and ``wanting[rows]``: 1 while a process's row of it has any.
+dispatcher under ``--processes`` (``proxy/heads.py``), ``own_heads[rows][slots]``: per
+process and slot, the key of the first request it holds for that slot (its class and
+place in line, packed; higher first; 0: none), and ``looked[rows]``: when the process
+last looked at its line while it holds requests (milliseconds of ``time.monotonic``,
+one clock for every process of the host; 0: it holds none).
 """
 
 from __future__ import annotations
@@ -76,7 +78,6 @@ MODELS = 64  # models whose typical output length the board keeps (more: kept pe
 
 TENANTS = 4096  # tenants with limits the board keeps at once (``proxy/limiter.py``)
 BUCKETS = 5  # a tenant's cells: its name's hash, then two token buckets (level, stamp)
-WANTED = 1 << 20  # own_wanted's cells: this less the class's number (0, the highest, first)
 
 
 def size_of(rows: int, slots: int = SLOTS, tenants: int = TENANTS) -> int:
@@ -143,11 +144,11 @@ class Board:
         self.buckets = whole[buckets : buckets + BUCKETS * tenants].reshape(tenants, BUCKETS)
         flights = buckets + BUCKETS * tenants
         self.own_flights = whole[flights : flights + rows * tenants].reshape(rows, tenants)
-        # the dispatcher's held requests: per process, the highest class held per slot
-        wanted = flights + rows * tenants
-        self.own_wanted = whole[wanted : wanted + rows * slots].reshape(rows, slots)
-        wanting = wanted + rows * slots
-        self.wanting = whole[wanting : wanting + rows]
+        # the dispatcher's held requests: per process, its first in line's key per slot
+        heads = flights + rows * tenants
+        self.own_heads = whole[heads : heads + rows * slots].reshape(rows, slots)
+        self.looked_base = heads + rows * slots  # read a cell at a time: a few rows
+        self.looked = whole[self.looked_base : self.looked_base + rows]
         # the rows policies read, one cell per slot (an itemgetter over slots reads many)
         self.load_cells = self.cells[self.load_base : self.load_base + slots]
         self.token_load_cells = self.cells[self.token_load_base : self.token_load_base + slots]
@@ -160,7 +161,7 @@ class Board:
         del self.tokens
         del self.reported, self.load, self.base, self.reported_tokens, self.token_load
         del self.token_base, self.work, self.cap, self.kv, self.buckets, self.own_flights
-        del self.own_wanted, self.wanting
+        del self.own_heads, self.looked
         self.load_cells.release()
         self.token_load_cells.release()
         self.cells.release()
@@ -301,8 +302,8 @@ class Board:
         self.own_tokens[row, :] = 0
         self.own_work[row, :] = 0
         self.own_flights[row, :] = 0  # its tenants' requests in flight too
-        self.wanting[row] = 0  # and the requests it held
-        self.own_wanted[row, :] = 0
+        self.looked[row] = 0  # and the requests it held
+        self.own_heads[row, :] = 0
 
     # -- slots: handed out by the one process that owns membership ------------------
 

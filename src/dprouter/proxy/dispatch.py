@@ -41,11 +41,12 @@ fleet's).
 Under ``--processes`` every process keeps its own queue, and a slot is taken under
 the board lock after looking at the shared board: the caps hold exactly across
 processes. A process learns of a slot another process freed by looking again every
-few milliseconds while it holds requests. The classes hold across processes: each puts
-on the board, per target, the highest class it holds a request for, and no process
-takes a slot there for a lower class (else the process a slot freed in would hand it
-to its own first in line, whatever another held). Tenants' shares and longest first
-hold within each process.
+few milliseconds while it holds requests. The order holds across processes (``heads.py``):
+each puts on the board, per target, the key of its first in line (class, then place in
+line), and no process takes a slot there for a request behind another's first (else the
+process a slot freed in would hand it to its own first in line, whatever another held).
+Tenants' shares hold within each process, and across them as far as each tenant's
+requests spread over the processes.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ import numpy.typing as npt
 
 from dprouter.config import RouterConfig
 from dprouter.core.types import Caller, DispatchMode, Incoming
-from dprouter.fleet.board import WANTED, Board
 from dprouter.fleet.board_lock import BoardLock
 from dprouter.fleet.targets import Outstanding, Target
 from dprouter.policies.base import readers
+from dprouter.proxy.heads import Heads, Shown, key
 from dprouter.proxy.output_budget import OutputEstimate
 
 Pick = Callable[[Sequence[Target]], Outstanding]  # the policy's pick among free targets
@@ -236,7 +237,7 @@ class Dispatcher:
         )  # each pool's slots on the board, as the policies read it
         self._poller: asyncio.Task[None] | None = None
         self._pumping = False
-        self._marked: list[tuple[Board, npt.NDArray[np.intp], int]] = []  # see _publish
+        self.heads = Heads() if lock is not None else None  # what the processes show
         if options.mode != "off":
             output.listeners.append(self._regroup)
 
@@ -247,12 +248,15 @@ class Dispatcher:
     # -- which targets have a free slot ----------------------------------------------
 
     def free(
-        self, candidates: Sequence[Target], samples: int = 1, priority: int = 0
+        self, candidates: Sequence[Target], incoming: Incoming, order: float | None = None
     ) -> Sequence[Target] | None:
-        """The candidates with a running slot free for each of ``samples`` sequences (at
+        """The candidates with a running slot free for each of ``incoming``'s samples (at
         most a whole cap's: more than a rank runs at once wait in its engine) to a request
-        of class ``priority``, by the board (the engines' reports and what the router sent
-        since); None: not dispatching for them (a target's cap is unknown)."""
+        of its class, by the board (the engines' reports and what the router sent since),
+        that no other serving process holds a request before it for (``order``: its place
+        in line, held; None: arriving now); None: not dispatching for them (a target's cap
+        is unknown)."""
+        samples, priority = incoming.samples, incoming.caller.priority
         reader = self.readers.of(candidates)
         board, index = reader.board, reader.index
         kv = self.options.kv
@@ -268,8 +272,10 @@ class Dispatcher:
             room = self._kv_room(board.token_load[index], board.kv[index], kv)
         else:
             return None
-        if self.lock is not None:  # another process may hold a higher class for these
-            room &= self._not_ahead(board, index, priority)
+        if self.heads is not None and (rows := self.heads.others(board)) is not None:
+            if order is None:  # not held: its place in line as if held from now
+                order = self._place(incoming, asyncio.get_running_loop().time())
+            room &= self.heads.clear(board, rows, index, key(priority, order))
         if room.all():
             return candidates
         return [candidates[int(i)] for i in np.flatnonzero(room)]
@@ -281,51 +287,31 @@ class Dispatcher:
         of their KV capacity; a target whose capacity is not known has room."""
         return (kv == 0) | (tokens * 1000 < kv * bound)
 
-    @staticmethod
-    def _not_ahead(board: Board, index: npt.NDArray[np.intp], priority: int) -> Any:
-        """Targets no other serving process holds a request of a class above ``priority``
-        for (``_publish``): it takes their slots first."""
-        others = np.flatnonzero(board.wanting)
-        others = others[others != board.row]
-        if not len(others):
-            return True
-        return board.own_wanted[others[:, None], index].max(axis=0) <= WANTED - priority
-
-    def _publish(self) -> None:
-        """Under ``--processes``: put on the board, per target, the highest class this
-        process holds a request for (each pool's first in line), in one step, so that the
-        others leave it those targets' slots."""
-        if self.lock is None:
+    def _show(self) -> None:
+        """Under ``--processes``: show the other processes each pool's first in line."""
+        if self.heads is None:
             return
-        marks: list[tuple[Board, npt.NDArray[np.intp], int]] = []
+        heads: list[Shown] = []
         for line in self.queues.values():
             first = line.first()
             if first is not None:
                 reader = self.readers.of(first.candidates)
-                priority = first.incoming.caller.priority
-                marks.append((reader.board, reader.index, WANTED - priority))
-        # the readers' own arrays, by identity (those marked are held: no id is reused)
-        said = [(id(index), wanted) for _, index, wanted in marks]
-        if said == [(id(index), wanted) for _, index, wanted in self._marked]:
-            return  # as on the board already: no write, no lock (a pump runs every 5 ms)
-        board = (marks[0] if marks else self._marked[0])[0]  # every pool's is the registry's
-        with board.step():
-            mine = board.own_wanted[board.row]
-            for _, index, _ in self._marked:
-                mine[index] = 0
-            for _, index, wanted in marks:
-                mine[index] = np.maximum(mine[index], wanted)
-            board.wanting[board.row] = 1 if marks else 0
-        self._marked = marks
+                best = key(first.incoming.caller.priority, first.order[0])
+                heads.append((reader.board, reader.index, best))
+        self.heads.show(heads)
 
     def _take(
-        self, candidates: Sequence[Target], pick: Pick, incoming: Incoming
+        self,
+        candidates: Sequence[Target],
+        pick: Pick,
+        incoming: Incoming,
+        order: float | None = None,
     ) -> Outstanding | None:
         """A free target's slots for ``incoming``'s samples, counted at once (under the
-        lock: exact across processes), or None while no target has them."""
+        lock: exact across processes), or None while no target has them (``free``)."""
         step: AbstractContextManager[object] = self.lock if self.lock is not None else nullcontext()
         with step:
-            free = self.free(candidates, incoming.samples, incoming.caller.priority)
+            free = self.free(candidates, incoming, order)
             if free is not None and not free:
                 return None
             return pick(candidates if free is None else free).claim()
@@ -414,8 +400,13 @@ class Dispatcher:
 
     def _order(self, held: Held) -> None:
         """Longest predicted output first, ``aging`` tokens per second waited ahead."""
-        predicted = held.incoming.output
-        held.order = (self.options.aging * held.arrival - predicted, next(self._seq))
+        held.order = (self._place(held.incoming, held.arrival), next(self._seq))
+
+    def _place(self, incoming: Incoming, arrival: float) -> float:
+        """A place in line, the less first: ``aging`` x ``arrival`` - the predicted output
+        (the event loop's clock, ``time.monotonic``: every process's, so the processes'
+        places compare)."""
+        return self.options.aging * arrival - incoming.output
 
     def _regroup(self, group: int) -> None:
         """A request of ``group`` finished: the held ones of that group are predicted
@@ -446,14 +437,16 @@ class Dispatcher:
             for pool in list(self.queues):
                 line = self.queues[pool]
                 while (first := line.first()) is not None:
-                    counted = self._take(first.candidates, first.pick, first.incoming)
+                    counted = self._take(
+                        first.candidates, first.pick, first.incoming, first.order[0]
+                    )
                     if counted is None:
                         break
                     line.pop(first)
                     first.done.set_result(counted)
                 if not line:
                     del self.queues[pool]
-            self._publish()
+            self._show()
         finally:
             self._pumping = False
 
