@@ -10,7 +10,6 @@ what the router let through."""
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -361,19 +360,19 @@ async def test_an_unknown_class_is_a_400_and_a_tenant_that_may_not_choose_keeps_
     assert (await status(http, fixed.url, body("x"), **{"X-Priority": "urgent"}))[0] == 200
 
 
-async def test_under_overload_the_high_class_starts_as_fast_as_on_an_idle_fleet(
+async def test_under_overload_the_high_class_never_waits_for_a_slot(
     tmp_path: Path,
     start_cluster: StartCluster,
     start_router: StartRouter,
     http: aiohttp.ClientSession,
 ) -> None:
-    """Low requests offered at twice what the fleet runs; a high stream's p99 time to first
-    token stays within 1.5x of the same stream's on the idle fleet (a running slot of each
-    rank is kept for it: ``--reserve``), the low class is shed with 503s, and every
-    request the router let in is answered."""
-    # a high request's prompt takes 100 ms to prefill, a decode step ~5 ms: long enough
-    # that the event loop's jitter on a busy machine (all of it runs in this process)
-    # does not count for much against it
+    """Low requests offered at twice what the fleet runs; a stream of high requests meanwhile
+    never waits for a running slot, neither in the router (each goes in the step it comes:
+    a slot of each rank is kept for it, ``--reserve``) nor in the engine (the router never
+    sends a rank more than it runs, so none arrives to a full batch), while lows are held
+    and shed with 503s; and every request the router let in is answered. What that is
+    worth in time to first token is measured by ``dprouter bench overload``, not here: a
+    busy 2-core machine moved a timed bound of it by 2x."""
     cost = CostModel(step_base=0.005, prefill_per_token=5e-4)
     slow = replace(SGLANG, limits=RankLimits(max_running=3), time_scale=1.0, cost=cost)
     (engine,) = (await start_cluster([slow])).servers
@@ -385,25 +384,13 @@ async def test_under_overload_the_high_class_starts_as_fast_as_on_an_idle_fleet(
     )
     router = await start_router(config)
 
-    async def first_token(text: str) -> float:
-        started = time.perf_counter()
-        sent = body(f"{text} " + " ".join(f"{text}w{j}" for j in range(200)), 4, stream=True)
+    async def high(i: int) -> None:
+        sent = body(f"high{i} " + " ".join(f"high{i}w{j}" for j in range(200)), 4, stream=True)
         headers = {"X-Priority": "high"}
         async with http.post(router.url + "/v1/completions", json=sent, headers=headers) as r:
             assert r.status == 200
-            await r.content.readline()
-            waited = time.perf_counter() - started
-            await r.read()
-        return waited
+            assert (await r.read()).rstrip().endswith(b"data: [DONE]")
 
-    async def stream() -> list[float]:
-        waits = []
-        for i in range(15):
-            waits.append(await first_token(f"high{i}"))
-            await asyncio.sleep(0.1)
-        return waits
-
-    idle = await stream()
     lows: list[int] = []
 
     async def flood() -> None:
@@ -419,12 +406,22 @@ async def test_under_overload_the_high_class_starts_as_fast_as_on_an_idle_fleet(
         await asyncio.gather(*tasks)
 
     flooding = asyncio.create_task(flood())
-    await asyncio.sleep(0.5)  # the flood fills the fleet first
-    loaded = await stream()
+    assert await until(lambda: held(router) > 0)
+    for i in range(15):  # while the lows are held
+        await high(i)
+        await asyncio.sleep(0.1)
     await flooding
-    assert max(loaded) <= 1.5 * max(idle), (sorted(idle), sorted(loaded))
+    waited = {
+        cls: await metric_sum(
+            http, router.url, "dprouter_tenant_queued_seconds_count", **{"class": cls}
+        )
+        for cls in ("high", "low")
+    }
+    assert waited["high"] == 0 and waited["low"] > 0, waited
+    assert sum(rank.stats.queued for rank in engine.engine.ranks) == 0
     assert set(lows) <= {200, 503} and lows.count(503) > 0, lows
     received = [r.body["prompt"] for r in engine.received]
+    assert sum(p.startswith("high") for p in received) == 15
     assert sum(p.startswith("low") for p in received) == lows.count(200)  # none lost
 
 

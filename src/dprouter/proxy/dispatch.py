@@ -340,6 +340,12 @@ class Dispatcher:
         self._count(priority, 1)
         if not self._pumping:
             self.pump()  # a slot may be free now: it goes to the first in line, maybe this one
+        done = held.done
+        if done.done() and not done.cancelled() and done.exception() is None:
+            # a slot was free for it (one those waiting may not take: a --reserve): it
+            # went in the step it came, so it was never held
+            self._count(priority, -1)
+            return done.result()
         self._groups[incoming.group] += 1
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll(), name="dispatch")

@@ -95,6 +95,8 @@ class Rank:
         if req.footprint > self.limits.max_model_len:
             raise ValueError(f"request {req.rid} needs {req.footprint} tokens, over max_model_len")
         req.rank = self.index
+        if self.num_running + len(self.waiting) >= self.limits.max_running:
+            self.stats.queued += 1  # no running slot left for it, counting those ahead
         self.waiting.append(req)
 
     def plan(self, now: float, max_steps: int = 1) -> RankPlan | None:

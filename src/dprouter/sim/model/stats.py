@@ -66,4 +66,7 @@ class RankStats:
     # steps are the cost of a burst, whatever the wall time
     decode_steps: int = 0
     prefill_steps: int = 0
+    # requests that arrived with no running slot left for them (those waiting ahead
+    # counted): each waited in the engine for another to end
+    queued: int = 0
     ttft: Histogram = field(default_factory=Histogram)
