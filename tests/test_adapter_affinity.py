@@ -28,7 +28,7 @@ def fleet(workers: int = 2, dp: int = 2) -> tuple[Registry, tuple[Target, ...]]:
 
 
 def asked(model: str, key: str | None = None) -> RequestInfo:
-    return RequestInfo(key=key, text=PROMPT, model=model, tokens=300)
+    return RequestInfo(key=key, text=PROMPT, adapter=model, tokens=300)
 
 
 def test_cache_aware_keeps_one_prompt_apart_per_adapter() -> None:
@@ -103,7 +103,7 @@ def test_prefix_policy_reads_each_adapters_chain() -> None:
     chose = {}
     for adapter in ("sql", "chat"):
         found = matcher.match(targets, ids, 0.0, {"vllm": adapter})
-        info = RequestInfo(text=PROMPT, tokens=len(ids), model=adapter, prefix=found.prefix)
+        info = RequestInfo(text=PROMPT, tokens=len(ids), adapter=adapter, prefix=found.prefix)
         chose[adapter] = policy.select(targets, info).label
     assert chose == {"sql": "w0/0", "chat": "w0/1"}
     sql = matcher.match(targets, ids, 1.0, {"vllm": "sql"})

@@ -142,3 +142,32 @@ async def test_an_sglang_adapter_waits_for_the_paused_worker_that_has_it(
         assert r.status == 200
     target, _ = await asyncio.wait_for(asked, 10)
     assert target.startswith(held.id + "/")
+
+
+@pytest.mark.parametrize("policy", ["manual", "consistent_hash"])
+async def test_one_session_keeps_its_target_whichever_path_names_the_base_model(
+    start_cluster: StartCluster, start_router: StartRouter, http: aiohttp.ClientSession, policy: str
+) -> None:
+    """SGLang's /generate names no model, its OpenAI paths do: the same base model, so one
+    session's requests on all three stay on one target (the real P/D group caught them
+    split when affinity was kept by the name as written); an adapter's is apart."""
+    cluster = await start_cluster(engines("sglang"))
+    router = await start_router(router_config(cluster.servers, policy=policy))
+    sent = {
+        "/generate": {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}},
+        "/v1/completions": {"model": BASE, "prompt": PROMPT, "max_tokens": 2},
+        "/v1/chat/completions": {
+            "model": BASE,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 2,
+        },
+    }
+    seen: dict[str, set[str]] = {key: set() for key in ("alice", "bob", "carol", "dave")}
+    for round_ in range(2):
+        for key in seen:
+            for path, body in sent.items():
+                headers = {"X-Session-ID": key}
+                async with http.post(router.url + path, json=body, headers=headers) as r:
+                    assert r.status == 200, (round_, await r.text())
+                    seen[key].add(r.headers[TARGET_HEADER])
+    assert all(len(targets) == 1 for targets in seen.values()), seen

@@ -36,9 +36,14 @@ class Snapshot:
         default_factory=dict, repr=False, compare=False
     )
     known_models: frozenset[str] = field(init=False, repr=False, compare=False)
+    # the names the workers list as LoRA adapters: both engines give an adapter's card
+    # its base as ``parent`` (vLLM 0.32's ``show_available_models``, SGLang 0.5.23's)
+    listed_adapters: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "known_models", frozenset(self.models()))
+        listed = {m for w in self.workers for m, card in w.cards.items() if card.get("parent")}
+        object.__setattr__(self, "listed_adapters", frozenset(listed))
 
     def pool(
         self, role: Role = "regular", model: str | None = None, dialect: DialectName | None = None
@@ -103,6 +108,20 @@ class Snapshot:
         """The name a request runs under (``adapters.named``): its ``model``, or with
         SGLang's ``lora_path`` ``model:adapter``; its pool is ``pool``'s of that name."""
         return adapters.named(model, lora_path, self.known_models)
+
+    def adapter(self, name: str | None) -> str | None:
+        """The LoRA adapter a request runs under ``name`` (as ``named`` writes it), None
+        for a base model: what affinity is kept by. An engine caches each adapter's KV
+        apart, and the base's once, however a request names it (SGLang's /generate names
+        no model; its OpenAI paths do)."""
+        if name is None:
+            return None
+        if name.startswith(":"):
+            return name[1:]
+        if name in self.listed_adapters:
+            return name
+        found = adapters.split(name, self.known_models)
+        return None if found is None else found[1]
 
     def model_cards(self) -> dict[str, dict[str, Any]]:
         """One card per model, as the engines wrote it (the first worker listing it), with

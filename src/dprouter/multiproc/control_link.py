@@ -243,7 +243,7 @@ class Placer:
         self._asked: dict[str, float] = {}
 
     async def place(self, targets: Sequence[Target], info: RequestInfo) -> None:
-        key = affinity_key(info)  # as the policy keeps it: per model and adapter
+        key = affinity_key(info)  # as the policy keeps it: per adapter
         if key is None:
             return
         held = self.policy.sticky.get(key)

@@ -54,10 +54,10 @@ class RequestInfo:
 
     key: str | None = None  # routing key (session), if the client sent one
     text: str = ""  # prompt text, for prefix affinity
-    # the model it runs, its LoRA adapter included (``Snapshot.named``: vLLM's adapter name,
-    # SGLang's base:adapter): an engine caches each adapter's prompts apart, so affinity,
-    # to a prefix or a key, is kept per model
-    model: str | None = None
+    # the LoRA adapter it runs (``Snapshot.adapter``; None: the base model): an engine
+    # caches each adapter's prompts apart, so affinity, to a prefix or a key, is kept
+    # per adapter, and the base model's once, whatever name a path gives it
+    adapter: str | None = None
     tokens: int = 0  # estimated prompt + output tokens
     now: float = 0.0  # monotonic seconds, for expiring idle keys
     pool: Hashable = None  # which pool the targets come from (role, model, ...): counters per pool
@@ -90,13 +90,13 @@ class Policy(Protocol):
 
 
 def affinity_key(request: RequestInfo) -> str | None:
-    """The routing key as a policy keeps it: per model, adapter included (one session sent
-    to two adapters is two, each where its own adapter's prompts are cached); None: the
-    request has no key."""
+    """The routing key as a policy keeps it: per adapter (one session sent to two adapters
+    is two, each where its own adapter's prompts are cached); None: the request has no
+    key."""
     key = request.key
-    if key is None or request.model is None:
+    if key is None or request.adapter is None:
         return key
-    return f"{key}\x1f{request.model}"  # a separator no header and no sane key holds
+    return f"{key}\x1f{request.adapter}"  # a separator no header and no sane key holds
 
 
 def needs_tokens(policy: Policy) -> bool:

@@ -82,7 +82,7 @@ class CacheAware:
 
     def select(self, targets: Sequence[Target], request: RequestInfo) -> Target:
         self.start += 1
-        blocks = text_blocks(request.text, self._scratch, request.model)
+        blocks = text_blocks(request.text, self._scratch, request.adapter)
         if len(targets) == 1:
             chosen = targets[0]
         else:

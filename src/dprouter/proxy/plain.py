@@ -109,8 +109,8 @@ class Proxy:
         info = RequestInfo(
             key=None,
             text=incoming.text,
-            model=self.parts.registry.snapshot.named(
-                incoming.model, incoming.body.get("lora_path")
+            adapter=self.parts.registry.snapshot.adapter(
+                self.parts.registry.snapshot.named(incoming.model, incoming.body.get("lora_path"))
             ),
             tokens=one.tokens,
             now=started,
@@ -191,9 +191,9 @@ class Proxy:
         info = RequestInfo(
             key=incoming.key,
             text=incoming.text,
-            # affinity per model and adapter: the engine caches each adapter apart
-            model=self.parts.registry.snapshot.named(
-                incoming.model, incoming.body.get("lora_path")
+            # affinity per adapter: the engine caches each adapter apart
+            adapter=self.parts.registry.snapshot.adapter(
+                self.parts.registry.snapshot.named(incoming.model, incoming.body.get("lora_path"))
             ),
             tokens=incoming.tokens,
             now=started,

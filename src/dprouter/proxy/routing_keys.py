@@ -64,7 +64,7 @@ class Claims:
         self._retry_at = float("-inf")
 
     async def place(self, targets: Sequence[Target], info: RequestInfo) -> None:
-        key = affinity_key(info)  # as the policy keeps it: per model and adapter
+        key = affinity_key(info)  # as the policy keeps it: per adapter
         if key is None:
             return
         held = self.policy.sticky.get(key)

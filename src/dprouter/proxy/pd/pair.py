@@ -114,7 +114,7 @@ class PairProxy:
         info = RequestInfo(
             key=incoming.key,
             text=incoming.text,
-            model=named,  # affinity per model and adapter, on either side
+            adapter=p.registry.snapshot.adapter(named),  # affinity per adapter, either side
             tokens=incoming.tokens,
             now=started,
         )
