@@ -84,6 +84,8 @@ async def test_sim_command_serves_engines_and_stops_on_sigterm(
         (["sim", "--admin-api-key", "k"], "--admin-api-key is SGLang's: give --persona sglang"),
         (["serve", "--dp-aware", "on", "--worker", "http://127.0.0.1:1"], "'auto', 'off'"),
         (["serve", "--worker", "http://127.0.0.1:1/v1"], "has a path (/v1): give the engine's"),
+        (["serve", "--worker", "ftp://x:1"], "worker URL 'ftp://x:1' must be http(s)://host:port"),
+        (["serve", "--worker", "notaurl"], "worker URL 'notaurl' must be http(s)://host:port"),
         (["serve", "--worker", "http://127.0.0.1:1,dp_size=two"], "dp_size must be an integer"),
     ],
 )
