@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint slow e2e e2e-vllm e2e-sglang e2e-pd clean
+.PHONY: demo test lint hooks slow e2e e2e-vllm e2e-sglang e2e-pd clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: $(VENV)/.installed
 	$(BIN)/dprouter demo
 
+# with coverage (pyproject.toml [tool.coverage]): a report of the files not fully
+# covered, and a floor that fails the run below it
 test: $(VENV)/.installed
-	$(BIN)/pytest -m "not slow and not realvllm and not realsglang and not realpd"
+	$(BIN)/pytest --cov -m "not slow and not realvllm and not realsglang and not realpd"
 
 slow: $(VENV)/.installed
 	$(BIN)/pytest -m slow
@@ -38,11 +40,19 @@ e2e-pd: $(VENV)/.installed
 	bash e2e/pd/prepare.sh
 	$(BIN)/pytest -m realpd
 
+# ruff, mypy, the import contract, and commit subjects of at most 72 characters (from
+# 9a33515, the commit before that rule, on)
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports  # the layers import downward only (pyproject.toml)
+	git log --format=%s 9a33515..HEAD | awk 'length > 72 { print "subject over 72: " $$0; bad = 1 } END { exit bad }'
+
+# ruff, ruff format and lint-imports on each commit, the subject's length on its message
+# (.pre-commit-config.yaml: the tools of .venv, nothing fetched)
+hooks: $(VENV)/.installed
+	$(BIN)/pre-commit install
 
 clean:
 	rm -rf $(VENV)

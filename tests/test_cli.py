@@ -84,6 +84,8 @@ async def test_sim_command_serves_engines_and_stops_on_sigterm(
         (["sim", "--admin-api-key", "k"], "--admin-api-key is SGLang's: give --persona sglang"),
         (["serve", "--dp-aware", "on", "--worker", "http://127.0.0.1:1"], "'auto', 'off'"),
         (["serve", "--worker", "http://127.0.0.1:1/v1"], "has a path (/v1): give the engine's"),
+        (["serve", "--worker", "ftp://x:1"], "worker URL 'ftp://x:1' must be http(s)://host:port"),
+        (["serve", "--worker", "notaurl"], "worker URL 'notaurl' must be http(s)://host:port"),
         (["serve", "--worker", "http://127.0.0.1:1,dp_size=two"], "dp_size must be an integer"),
     ],
 )
@@ -192,9 +194,23 @@ async def test_demo_uses_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ranks used: DP-aware 20/20" in out
     assert "outstanding after the runs: 0" in out
     assert re.search(r"^dashboard: http://127\.0\.0\.1:\d+/dashboard ", out, re.MULTILINE)
-    rows = [line.split() for line in out.splitlines() if line.startswith("sim-")]
+    lines = out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("sim-")]
     assert len(rows) == 20 + 3  # one line per engine, then one per rank
     assert all(int(row[2]) == 3 for row in rows[3:])  # 60 requests over 20 ranks
+    # each column named apart: a group over its two columns, the target's column below
+    header = next(i for i, line in enumerate(lines) if line.startswith("target"))
+    groups, columns = lines[header - 1], lines[header]
+    assert groups.split(maxsplit=2) == ["DP-aware", "router", "engines pick"]
+    assert columns.split() == ["target", "requests", "TTFT", "p90", "requests", "TTFT", "p90"]
+    # the routers' warnings come under the line that says why they are expected
+    said = [line for line in lines if line.startswith("  log: ")]
+    assert any("no --tenants keys" in line for line in said)
+    assert sum("DP-aware routing is OFF" in line for line in said) == 1 + 3  # config, workers
+    for line in said:
+        above = lines[: lines.index(line)]
+        heading = next(h for h in reversed(above) if not h.startswith("  log: "))
+        assert "expected" in heading, (heading, line)
 
 
 async def test_serve_pd_from_the_command_line(

@@ -37,6 +37,9 @@ def test_dp_aware_off_warns_loudly_and_refuses_rank_policies() -> None:
     ("workers", "message"),
     [
         ((WorkerSpec("ftp://host:1"),), "must be http"),
+        # a bare word is a mistake, not port 80 of a host by that name
+        ((WorkerSpec("notaurl"),), r"'notaurl' must be http\(s\)://host:port"),
+        ((WorkerSpec("h:port"),), "must be http"),
         ((WorkerSpec("http://h:1"), WorkerSpec("http://h:1/")), "listed twice"),
         ((WorkerSpec("http://h:1", dp_size=0),), "dp_size must be at least 1"),
         ((WorkerSpec("http://user:pw@h:1"),), "must not carry credentials"),
@@ -51,8 +54,14 @@ def test_bad_workers_fail_with_what_to_change(
 
 
 def test_urls_are_normalised_and_ipv6_stays_bracketed() -> None:
-    config = validate(RouterConfig(workers=(WorkerSpec("[::1]:8000/"), WorkerSpec("h:9"))))
-    assert [w.url for w in config.workers] == ["http://[::1]:8000", "http://h:9"]
+    written = ("[::1]:8000/", "h:9", "http://h", "https://h")  # a scheme: its port implied
+    config = validate(RouterConfig(workers=tuple(WorkerSpec(w) for w in written)))
+    assert [w.url for w in config.workers] == [
+        "http://[::1]:8000",
+        "http://h:9",
+        "http://h",
+        "https://h",
+    ]
 
 
 def test_worker_option_syntax() -> None:

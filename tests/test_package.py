@@ -64,6 +64,24 @@ def test_the_router_loads_neither_simulator_nor_benchmarks(code: str) -> None:
     assert loaded_after(code) == []
 
 
+def test_the_face_loads_its_names_when_asked() -> None:
+    """``import dprouter`` (and the command's own package) loads no router module: the
+    command sets its SIGTERM handling up before they load (tests/test_serve_startup.py)."""
+    probe = (
+        "import sys, dprouter.cli\n"
+        "print(sorted(m for m in sys.modules if m.startswith('dprouter.')))\n"
+        "from dprouter import Router\n"
+        "print(Router.__module__, 'dprouter.server.router' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.splitlines() == ["['dprouter.cli']", "dprouter.server.router True"]
+    assert dprouter.Router.__name__ == "Router" and "build_app" in dir(dprouter)
+    with pytest.raises(AttributeError, match="no attribute 'Rooter'"):
+        dprouter.Rooter  # noqa: B018
+
+
 def test_the_bench_command_loads_its_extra_only_when_it_runs() -> None:
     assert loaded_after("import dprouter.bench.command") == ["dprouter.bench"]
 

@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import logging
 import os
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -403,3 +404,49 @@ async def test_the_door_off_imports_nothing_of_opentelemetry_or_pyjwt() -> None:
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0
     assert out.decode().strip().splitlines()[-1] == "[]"
+
+
+# `dprouter serve` in an interpreter where the modules under PREFIX are not installed: a
+# finder ahead of the others says so for each, as the import system does for a missing one
+WITHOUT = """
+import sys
+from importlib.abc import MetaPathFinder
+
+PREFIX = sys.argv.pop(1)
+
+
+class NotInstalled(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == PREFIX or name.startswith(PREFIX + "."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+for name in [m for m in sys.modules if m == PREFIX or m.startswith(PREFIX + ".")]:
+    del sys.modules[name]
+from dprouter.cli import main
+
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    "absent", ["opentelemetry", "opentelemetry.sdk", "opentelemetry.exporter.otlp"]
+)
+def test_tracing_without_opentelemetry_installed_says_to_install_the_extra(absent: str) -> None:
+    """Without the ``tracing`` extra (or a part of it), ``--tracing`` is a usage error
+    naming the extra, before anything starts, not a traceback."""
+    argv = [sys.executable, "-c", WITHOUT, absent, "serve", "--tracing", "--port", "0"]
+    done = subprocess.run(
+        [*argv, "--worker", "http://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "--tracing needs OpenTelemetry's SDK and OTLP exporter" in done.stderr
+    assert "pip install 'dprouter[tracing]'" in done.stderr
+    assert f"(no {absent}" in done.stderr

@@ -11,7 +11,6 @@ contradictions fail with a message that says what to change:
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import os
 import tomllib
@@ -23,6 +22,7 @@ from urllib.parse import urlsplit
 
 from dprouter.core.errors import ConfigError
 from dprouter.core.tls import EngineAccess
+from dprouter.core.tracing import missing_modules
 from dprouter.core.types import PD_MODES, DispatchMode, DpAware, PdMode, Role, SamplesMode
 from dprouter.fleet.breakers import BreakerOptions
 from dprouter.fleet.membership import Source
@@ -474,8 +474,12 @@ def check_door(config: RouterConfig) -> None:
         )
     if config.jwt_issuer is None and (config.jwt_jwks or config.jwt_audience):
         raise ConfigError("--jwt-jwks and --jwt-audience need --jwt-issuer")
-    if config.tracing and importlib.util.find_spec("opentelemetry.sdk") is None:
-        raise ConfigError("--tracing needs OpenTelemetry's SDK: pip install 'dprouter[tracing]'")
+    if config.tracing and (absent := missing_modules()):
+        raise ConfigError(
+            f"--tracing needs OpenTelemetry's SDK and OTLP exporter (no {absent[0]} here): "
+            "install the tracing extra, pip install 'dprouter[tracing]' (from a checkout: "
+            "pip install '.[tracing]')"
+        )
 
 
 KUBERNETES = "k8s"

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import statistics
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -92,25 +94,59 @@ async def run_demo(
         # the DP-aware router stays up through both runs, its dashboard with it: in the
         # second run its heat map shows the engine-reported queues of the engines' own picks
         config = RouterConfig(workers=workers, port=0, dashboard=True)
-        async with Router(config) as router:
-            await router.settled(10)
-            click.echo(
-                f"dashboard: {router.url}/dashboard (live while the demo runs; "
-                f"or: dprouter top {router.url})"
-            )
-            runs["auto"] = await drive(router.url, requests, concurrency)
-            outstanding += sum(t.outstanding for t in router.registry.targets())
-            off = RouterConfig(workers=workers, port=0, dp_aware="off")
-            async with Router(off) as second:
-                await second.settled(10)
-                runs["off"] = await drive(second.url, requests, concurrency)
-                outstanding += sum(t.outstanding for t in second.registry.targets())
-            table(cluster, runs, requests, concurrency, outstanding)
-            if linger > 0:
-                click.echo(f"\ndashboard up for {linger:g} s more: {router.url}/dashboard")
-                await asyncio.sleep(linger)
-            else:
-                click.echo("\n(dprouter demo --linger 120 keeps the dashboard up after the runs)")
+        with routers_log():
+            click.echo(f"\nrouter 1, DP-aware (the default). Its warning is expected: {NO_KEYS}.")
+            async with Router(config) as router:
+                await router.settled(10)
+                click.echo(
+                    f"dashboard: {router.url}/dashboard (live while the demo runs; "
+                    f"or: dprouter top {router.url})"
+                )
+                runs["auto"] = await drive(router.url, requests, concurrency)
+                outstanding += sum(t.outstanding for t in router.registry.targets())
+                off = RouterConfig(workers=workers, port=0, dp_aware="off")
+                click.echo(
+                    "\nrouter 2, --dp-aware off, to compare. Its warnings are expected: each "
+                    f"engine's own balancer places its requests, and {NO_KEYS}."
+                )
+                async with Router(off) as second:
+                    await second.settled(10)
+                    runs["off"] = await drive(second.url, requests, concurrency)
+                    outstanding += sum(t.outstanding for t in second.registry.targets())
+                table(cluster, runs, requests, concurrency, outstanding)
+                if linger > 0:
+                    click.echo(f"\ndashboard up for {linger:g} s more: {router.url}/dashboard")
+                    await asyncio.sleep(linger)
+                else:
+                    click.echo(
+                        "\n(dprouter demo --linger 120 keeps the dashboard up after the runs)"
+                    )
+
+
+NO_KEYS = "the demo gives it no API keys"
+
+
+class Echo(logging.Handler):
+    """The routers' log lines, indented under the demo's own lines that say why they come."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = "" if record.levelno == logging.WARNING else f"{record.levelname}: "
+        click.echo(f"  log: {level}{self.format(record)}")
+
+
+@contextlib.contextmanager
+def routers_log() -> Iterator[None]:
+    """The routers' warnings (and worse) shown as the demo's output, for as long as it runs;
+    the logger is left as it was found."""
+    logger = logging.getLogger("dprouter")
+    handler, propagate = Echo(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def table(
@@ -125,9 +161,9 @@ def table(
         f"\n{requests} streamed requests, {concurrency} at a time, round_robin; "
         f"each rank runs at most {MAX_RUNNING} at once\n"
     )
-    click.echo(
-        f"{'target':<12}{'DP-aware':>10}{'TTFT p90':>11}{'engines pick':>14}{'TTFT p90':>11}"
-    )
+    # two groups of two columns: the DP-aware router's, then the engines' own picks
+    click.echo(f"{'':<12}{'DP-aware router':>21}{'engines pick':>25}")
+    click.echo(f"{'target':<12}{'requests':>10}{'TTFT p90':>11}{'requests':>14}{'TTFT p90':>11}")
     total = 0
     for s in cluster.servers:
         for r in range(s.config.dp_size):

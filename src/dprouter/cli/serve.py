@@ -6,13 +6,14 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from click.decorators import FC
 
+from dprouter.cli import stopped_early
 from dprouter.config import RouterConfig, load_file, validate
 from dprouter.core import gc_tuning
 from dprouter.core.errors import ConfigError
@@ -24,6 +25,7 @@ from dprouter.server.identity import Identity
 from dprouter.server.router import Router
 
 log = logging.getLogger("dprouter")
+T = TypeVar("T")
 
 
 def option(flag: str, name: str | None = None, **kw: Any) -> Callable[[FC], FC]:
@@ -576,6 +578,8 @@ def serve(
     **options: Any,
 ) -> None:
     """Route requests to every (worker, dp_rank) target of vLLM and SGLang engines."""
+    # until run() has its own handlers, a SIGTERM ends the process at once, saying so
+    signal.signal(signal.SIGTERM, stopped_early)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     try:
         config = make_config(ctx, config_file, workers, options)
@@ -613,7 +617,12 @@ async def run(config: RouterConfig) -> None:
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {exc}") from None
     try:
-        if not await router.settled(config.startup_timeout):
+        # a signal while workers are still discovered stops the router there: it never
+        # says it serves
+        settled = await until_stopped(router.settled(config.startup_timeout), stop)
+        if settled is None:
+            return
+        if not settled:
             waiting = [w.id for w in router.registry.workers.values() if w.state == "discovering"]
             log.warning("still discovering %s; they get traffic once they answer", waiting)
         listed = {spec.url for spec in config.workers}  # etcd's come and go: only logged
@@ -649,3 +658,17 @@ async def run(config: RouterConfig) -> None:
             await stop.wait()
     finally:
         await router.stop()
+
+
+async def until_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
+    """What ``work`` returns, or None if ``stop`` is set first (``work`` is cancelled)."""
+    task, stopping = asyncio.create_task(work), asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait((task, stopping), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if stop.is_set():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()

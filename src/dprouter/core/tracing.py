@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
@@ -386,6 +387,24 @@ class Tracing:
         else:
             span.record_exception(e)
             span.set_status(self._status(self._error, f"{type(e).__name__}: {e}"))
+
+
+# what ``_provider`` imports, from the ``tracing`` extra
+NEEDED = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+
+
+def missing_modules() -> list[str]:
+    """The modules of ``NEEDED`` this environment cannot import. Looking a submodule up
+    imports its parents, and a missing parent raises rather than answering None."""
+    absent = []
+    for name in NEEDED:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            absent.append(name)
+    return absent
 
 
 def _provider() -> tuple[TracerProvider, Tracer]:

@@ -21,10 +21,17 @@ if TYPE_CHECKING:
 
 
 def normalise_url(raw: str) -> str:
-    """``http://host:port``; IPv6 hosts stay bracketed. A path is refused: the router
-    appends the client's own path (``/v1/completions``, ...) to the worker's URL."""
-    url = URL(raw if "://" in raw else f"http://{raw}")
-    if url.scheme not in ("http", "https") or not url.host:
+    """``http://host:port``; IPv6 hosts stay bracketed. Without a scheme, ``host:port``
+    (MoRIIO's registrations say so) and the port is required: a bare word (``notaurl``)
+    is a mistake, not port 80. A path is refused: the router appends the client's own
+    path (``/v1/completions``, ...) to the worker's URL."""
+    schemeless = "://" not in raw
+    try:
+        url = URL(f"http://{raw}" if schemeless else raw)
+        port = url.explicit_port
+    except ValueError:  # a port out of range or not a number
+        raise ValueError(f"worker URL {raw!r} must be http(s)://host:port") from None
+    if url.scheme not in ("http", "https") or not url.host or (schemeless and port is None):
         raise ValueError(f"worker URL {raw!r} must be http(s)://host:port")
     if url.user or url.password or url.query_string or url.fragment:
         raise ValueError(f"worker URL {raw!r} must not carry credentials, a query or a fragment")
